@@ -1,0 +1,90 @@
+"""Engine configuration: one typed object, validated once at construction (vLLM's names where they exist)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "aiter")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A user-supplied engine argument is invalid; the message names the field."""
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    load_format: str = "auto"
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kernel_backend: str = "auto"
+    device: str = "auto"
+    enforce_eager: bool = False
+    hf_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._check(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty string")
+        self._check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        self._check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
+        self._check(self.kernel_backend in KERNEL_BACKENDS, "kernel_backend", f"must be one of {KERNEL_BACKENDS}")
+        self._check(self.device in DEVICES, "device", f"must be one of {DEVICES}")
+        self._positive_int("max_num_seqs")
+        self._positive_int("block_size")
+        self._positive_int("tensor_parallel_size")
+        self._optional_positive_int("max_model_len")
+        self._optional_positive_int("max_num_batched_tokens")
+        self._optional_positive_int("num_kv_blocks")
+        self._optional_positive_int("kv_cache_memory_bytes")
+        self._check(self.block_size <= 1024 and self.block_size & (self.block_size - 1) == 0,
+                    "block_size", "must be a power of two no larger than 1024")
+        self._check(isinstance(self.gpu_memory_utilization, (int, float))
+                    and 0.0 < self.gpu_memory_utilization <= 1.0,
+                    "gpu_memory_utilization", "must be a number in (0, 1]")
+        self._check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "must be an integer")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            self._check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        self._check(isinstance(self.hf_overrides, dict), "hf_overrides", "must be a mapping")
+        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+                and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with enable_chunked_prefill=False: long prompts could never be "
+                "scheduled. Raise max_num_batched_tokens or enable chunked prefill.")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s) {unknown}; valid ones are {cls.field_names()}")
+        return cls(model=model, **kwargs)
+
+    def _check(self, ok: bool, name: str, requirement: str) -> None:
+        if not ok:
+            raise ConfigError(f"EngineConfig.{name} {requirement} (got {getattr(self, name)!r})")
+
+    def _positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        self._check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                    name, "must be a positive integer")
+
+    def _optional_positive_int(self, name: str) -> None:
+        if getattr(self, name) is not None:
+            self._positive_int(name)

@@ -1,0 +1,63 @@
+"""The plain-data step plan a scheduler hands to model runners, and what a runner hands back.
+
+A runner keeps per-request state between steps, so a request's tokens and sampling parameters travel
+once (when it is first scheduled or resumed after preemption); later steps only send block-id deltas.
+Runners sample identically on every rank, so sampled tokens never travel back down.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # prompt + any output tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: KV already in these blocks
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step, for a consistency check on the runner
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests the runners must forget before this step (finished, aborted or preempted).
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class LogprobsLists:
+    """Logprobs of a run of positions: per position the chosen token first, then the top-k tokens."""
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the chosen token among all tokens (1 = most likely)
+
+
+@dataclass
+class RunnerOutput:
+    """Per sampled request: its token, and logprobs where asked. Only the TP leader returns one."""
+    request_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # one position: the sampled token
+    # Prompt positions computed this step (a chunk at a time); position i scores prompt token i + 1.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

@@ -1,0 +1,24 @@
+"""The torch reference backend: every operation, on any device."""
+from __future__ import annotations
+
+from engine.kernels.registry import KernelBackend
+from engine.kernels.torch import ops
+from engine.kernels.torch.attention import TorchAttentionBackend
+from engine.kernels.torch.sampling import sample
+
+BACKEND = KernelBackend(
+    name="torch",
+    ops={
+        "gemm": ops.gemm,
+        "rms_norm": ops.rms_norm,
+        "fused_add_rms_norm": ops.fused_add_rms_norm,
+        "rotary_embedding": ops.rotary_embedding,
+        "silu_and_mul": ops.silu_and_mul,
+        "sample": sample,
+    },
+    attention=TorchAttentionBackend,
+)
+
+
+def available(device) -> str | None:
+    return None

@@ -1,0 +1,75 @@
+"""Reference paged attention. KV layout per layer: [2, num_blocks, block_size, kv_heads, head_size]."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata
+
+
+def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence's keys or values: [length, kv_heads, head_size]."""
+    blocks = cache[block_ids]  # [n, block_size, kv_heads, head_size]
+    return blocks.flatten(0, 1)[:length]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def forward(query, key, value, kv_cache, metadata: CommonAttentionMetadata, scale, block_size):
+        if kv_cache is None:  # profiling pass before the cache exists: plain causal prefills
+            key_cache = value_cache = None
+        else:
+            key_cache, value_cache = kv_cache[0], kv_cache[1]
+            num_kv_heads, head_size = key_cache.shape[-2:]
+            key_cache.view(-1, num_kv_heads, head_size)[metadata.slot_mapping] = key
+            value_cache.view(-1, num_kv_heads, head_size)[metadata.slot_mapping] = value
+
+        out = torch.empty_like(query)
+        num_decodes = metadata.num_decodes
+        if num_decodes:
+            out[:num_decodes] = _decode(query[:num_decodes], key_cache, value_cache, metadata, scale, block_size)
+        starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        for seq in range(num_decodes, metadata.num_seqs):
+            begin, end = starts[seq], starts[seq + 1]
+            seq_len, query_len = lens[seq], end - begin
+            if seq_len == query_len:  # nothing cached before this chunk: use the new keys directly
+                keys, values = key[begin:end], value[begin:end]
+                mask = None
+            else:
+                num_blocks = -(-seq_len // block_size)
+                block_ids = metadata.block_table[seq, :num_blocks]
+                keys = gather_context(key_cache, block_ids, seq_len)
+                values = gather_context(value_cache, block_ids, seq_len)
+                positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+                mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+            out[begin:end] = F.scaled_dot_product_attention(
+                query[begin:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+            ).transpose(0, 1)
+        return out
+
+
+def _decode(query, key_cache, value_cache, metadata, scale, block_size):
+    """One query token per sequence, batched: pad every context to the longest one and mask."""
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[-2]
+    seq_lens = metadata.seq_lens[:num_seqs]
+    max_len = max(metadata.seq_lens_cpu[:num_seqs])
+    num_blocks = -(-max_len // block_size)
+    block_ids = metadata.block_table[:num_seqs, :num_blocks]
+    keys = key_cache[block_ids].flatten(1, 2)[:, :max_len]  # [B, L, Hk, D]
+    values = value_cache[block_ids].flatten(1, 2)[:, :max_len]
+    group = num_heads // num_kv_heads
+    q = query.view(num_seqs, num_kv_heads, group, head_size)
+    scores = torch.einsum("bhgd,blhd->bhgl", q.float(), keys.float()) * scale
+    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
+    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)

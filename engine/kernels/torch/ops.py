@@ -1,0 +1,54 @@
+"""Reference implementations in plain PyTorch: correct on any device, and the oracle for other backends."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+    else:
+        x1, x2 = x[..., ::2], x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, H, D], key [T, Hk, D]; cos_sin_cache [max_pos, rotary_dim] (cos half, then sin half).
+    Only the first rotary_dim features of each head rotate."""
+    rotary_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+    out = []
+    for x in (query, key):
+        if rotary_dim == x.shape[-1]:
+            out.append(_rotate(x, cos, sin, is_neox))
+        else:
+            rotated = _rotate(x[..., :rotary_dim], cos, sin, is_neox)
+            out.append(torch.cat((rotated, x[..., rotary_dim:]), dim=-1))
+    return out[0], out[1]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]

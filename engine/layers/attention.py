@@ -1,0 +1,26 @@
+"""The attention layer: a dispatcher over the active attention backend, holding this layer's KV cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.forward_context import get_forward_context
+from engine.kernels import active_backend
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = scale
+        self.backend = active_backend().attention
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner, layout chosen by the backend
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        context = get_forward_context()
+        out = self.backend.forward(
+            query.view(-1, self.num_heads, self.head_size),
+            key.view(-1, self.num_kv_heads, self.head_size),
+            value.view(-1, self.num_kv_heads, self.head_size),
+            self.kv_cache, context.attn_metadata, self.scale, context.block_size)
+        return out.view(-1, self.num_heads * self.head_size)

@@ -1,0 +1,73 @@
+"""Rotary position embedding with a precomputed cos/sin table indexed by position.
+
+Scaling types: default, linear, llama3 (computed here) and yarn (inverse frequencies from transformers'
+own implementation). Dynamic-NTK and longrope depend on the sequence length at run time and are refused.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.kernels import ops
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config) -> dict:
+    """The rope settings of a config, whichever transformers version wrote it."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params and "rope_theta" in params:
+        params = dict(params)
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor = params["factor"]
+    low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low_freq_factor, old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def compute_inv_freq(hf_config, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim / 2] and the attention scaling applied to cos and sin."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    base = params["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](hf_config, torch.device("cpu"))
+        return inv_freq.float(), float(scaling)
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_size: int, rotary_dim: int, max_position: int, is_neox_style: bool = True) -> None:
+        super().__init__()
+        self.head_size, self.rotary_dim, self.is_neox_style = head_size, rotary_dim, is_neox_style
+        inv_freq, scaling = compute_inv_freq(hf_config, rotary_dim)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """query [T, H, D], key [T, Hk, D] -> rotated (query, key)."""
+        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox_style)

@@ -1,0 +1,202 @@
+"""The engine loop for one engine instance: requests in, step plans to the executor, outputs out.
+
+The executor runs the plans: in-process here (one ModelRunner), or on Ray rank actors (atom_ray).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from typing import Protocol
+
+from engine.config import ConfigError, EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.output_processor import OutputProcessor
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.loader import ModelSource, resolve_model
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class InvalidRequestError(ValueError):
+    """A request cannot be served as given (bad prompt, too long, ...); the message says why."""
+
+
+class Executor(Protocol):
+    def determine_num_kv_blocks(self) -> int: ...
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    """One ModelRunner in this process (tensor_parallel_size=1)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
+                 eos_token_ids: frozenset[int], show_progress: bool = True) -> None:
+        from engine.runner.device import resolve_device
+        from engine.runner.model_runner import ModelRunner
+        if config.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 needs Ray rank actors: use atom_ray.start(...) "
+                              "or `atom-ray serve` instead of engine.LLM")
+        self.runner = ModelRunner(config, source, resolve_device(config.device), max_model_len,
+                                  eos_token_ids, show_progress)
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.runner.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(scheduled)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if limit is None:
+            raise ConfigError("the model config has no max_position_embeddings; set max_model_len")
+        return int(limit)
+    if limit is not None and config.max_model_len > limit:
+        raise ConfigError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                          f"max_position_embeddings ({limit})")
+    return config.max_model_len
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor_factory=InProcessExecutor, show_progress: bool = True) -> None:
+        self.config = config
+        self.source = resolve_model(config.model, config.load_format, config.hf_overrides)
+        self.tokenizer = Tokenizer.from_source(self.source, config.tokenizer)
+        self.max_model_len = resolve_max_model_len(config, self.source.hf_config)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
+            else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
+        if self.max_num_batched_tokens < config.max_num_seqs and config.max_num_batched_tokens is not None:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                              f"max_num_seqs ({config.max_num_seqs}) so that every running sequence can decode")
+        config = dataclasses.replace(config, max_num_batched_tokens=self.max_num_batched_tokens)
+        self.executor = executor_factory(config, self.source, self.max_model_len,
+                                         self.tokenizer.eos_token_ids, show_progress=show_progress)
+        num_blocks = self.executor.determine_num_kv_blocks()
+        needed = -(-self.max_model_len // config.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than one sequence "
+                f"of max_model_len={self.max_model_len} needs ({needed}); lower max_model_len or give the "
+                "cache more memory (num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)")
+        self.executor.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                            config.enable_chunked_prefill),
+            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._seed_source = random.Random(config.seed)
+        self._ids = itertools.count()
+        self.num_prompt_tokens_total = 0
+        self.num_generated_tokens_total = 0
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt as (text or None, token ids). Accepts a string, a list of token ids, or a dict with
+        'prompt' or 'prompt_token_ids'."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.source.hf_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, not {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.output_processor.parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but the context length (max_model_len) is "
+                f"{self.max_model_len}, which leaves no room to generate")
+        if not self.config.enable_chunked_prefill and len(token_ids) > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) with chunked prefill disabled")
+        max_tokens = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        samples = {}
+        for index in range(params.n):
+            sample_id = request_id if params.n == 1 else f"{request_id}/{index}"
+            seed = params.seed + index if params.seed is not None else self._seed_source.getrandbits(63)
+            samples[sample_id] = dataclasses.replace(params, seed=seed, n=1)
+        self.output_processor.add_request(request_id, text, token_ids, samples, arrival_time)
+        for sample_id, sample_params in samples.items():
+            self.scheduler.add_request(Request(sample_id, token_ids, sample_params, max_tokens,
+                                               self.tokenizer.eos_token_ids, arrival_time))
+        self.num_prompt_tokens_total += len(token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV blocks; returns its final output (finish_reason 'abort')."""
+        final = self.output_processor.finish_aborted(request_id)
+        self.scheduler.abort_requests(self.output_processor.remove(request_id))
+        return final
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty and not scheduled.finished_request_ids:
+            return []
+        output = self.executor.execute(scheduled)
+        updated = self.scheduler.update_from_output(scheduled, output)
+        self.num_generated_tokens_total += len(output.sampled_token_ids)
+        outputs, stop_hits = self.output_processor.process(updated, output)
+        for sample_id, stop in stop_hits:
+            self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_STOPPED, stop)
+        return outputs
+
+    def stats(self) -> dict:
+        block_manager = self.scheduler.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": block_manager.usage,
+            "num_kv_blocks": block_manager.num_blocks,
+            "num_free_kv_blocks": block_manager.num_free_blocks,
+            "prefix_cache_queries": block_manager.prefix_cache_queries,
+            "prefix_cache_hits": block_manager.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens_total,
+            "generation_tokens": self.num_generated_tokens_total,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,97 @@
+"""Builds a model shard on its device and fills its weights (checkpoint, GGUF or random)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from engine.loader.source import ModelSource, ModelSourceError, resolve_model
+from engine.models import model_class_for
+
+__all__ = ["ModelSource", "ModelSourceError", "build_model", "load_weights", "resolve_model"]
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                show_progress: bool = True) -> nn.Module:
+    model_class = model_class_for(source.hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(source.hf_config)
+    model.eval()
+    if source.format == "dummy":
+        fill_dummy_weights(model, seed)
+    elif source.format == "gguf":
+        load_weights(model, source.gguf.iter_weights(), source.gguf.num_tensors, show_progress)
+    else:
+        from engine.loader import safetensors
+        files = safetensors.checkpoint_files(source.path)
+        load_weights(model, safetensors.iter_weights(files), safetensors.count_tensors(files), show_progress)
+    return model
+
+
+def load_weights(model: nn.Module, weights, total: int | None = None, show_progress: bool = True) -> None:
+    """Feed (HF name, full tensor) pairs to the parameters' weight loaders; fail on anything missing."""
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    expected_shards = {}
+    for target, shard in packed.values():
+        expected_shards.setdefault(target, set()).add(shard)
+    loaded: dict[str, set] = {}
+    tie = getattr(model, "tie_word_embeddings", False)
+    with torch.no_grad():
+        for name, tensor in tqdm(weights, total=total, desc="Loading weights", unit="tensor",
+                                 disable=not show_progress, leave=False):
+            if "rotary_emb.inv_freq" in name or (tie and name == "lm_head.weight"):
+                continue
+            shard = None
+            for source_name, (target, shard_id) in packed.items():
+                if f".{source_name}." in name:
+                    name, shard = name.replace(f".{source_name}.", f".{target}."), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ModelSourceError(f"checkpoint tensor {name!r} has no parameter in "
+                                       f"{type(model).__name__}; is this the right architecture?")
+            loader = getattr(param, "weight_loader", None)
+            if shard is not None:
+                loader(param, tensor, shard)
+            elif loader is not None:
+                loader(param, tensor)
+            else:
+                if param.shape != tensor.shape:
+                    raise ModelSourceError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                           f"expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.setdefault(name, set()).add(shard)
+    missing = []
+    for name in params:
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        want = expected_shards.get(module, {None})
+        if not want <= loaded.get(name, set()):
+            missing.append(name)
+    if missing:
+        raise ModelSourceError(f"checkpoint lacks weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
+
+
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights with realistic scales: N(0, 0.02) matrices, unit norms, zero biases."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)

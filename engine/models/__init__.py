@@ -1,0 +1,30 @@
+"""Model registry keyed by the Hugging Face `architectures` name."""
+from __future__ import annotations
+
+import importlib
+
+# architecture -> (module, class)
+_MODELS = {
+    "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture has no implementation here."""
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class_for(hf_config):
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for name in architectures:
+        if name in _MODELS:
+            module, cls = _MODELS[name]
+            return getattr(importlib.import_module(module), cls)
+    raise UnsupportedModelError(
+        f"architecture {architectures or '(none given in config.json)'} is not supported; "
+        f"supported architectures: {', '.join(supported_architectures())}")

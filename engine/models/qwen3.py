@@ -1,0 +1,15 @@
+"""Qwen3 (dense): the Llama decoder with per-head RMSNorm on queries and keys before RoPE."""
+from __future__ import annotations
+
+from engine.models.llama import LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config) -> None:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen3 with use_sliding_window=true is not supported")
+        super().__init__(config)
+
+    @staticmethod
+    def attention_flags(config, bias: bool) -> dict:
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}

@@ -1,0 +1,76 @@
+"""What the engine hands back for a request: one CompletionOutput per sample (n of them), each with its
+cumulative text and tokens plus what the last step added (for streaming)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+# One entry per position: token id -> Logprob (the chosen token plus the top-k alternatives).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[PositionLogprobs] | None = None
+    # What the last step added (text held back while it might still become a stop string).
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry None (no context)
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    # The first (usually only) completion's fields, for the common n=1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[PositionLogprobs] | None:
+        return self.outputs[0].logprobs

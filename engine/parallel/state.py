@@ -1,0 +1,63 @@
+"""Tensor-parallel state of this process: its rank, the group's size, the device group (NCCL/RCCL on
+GPUs, gloo on CPU) and a gloo group for control messages."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    tp_rank: int = 0
+    tp_size: int = 1
+    device_group: object | None = None
+    cpu_group: object | None = None
+
+
+_state = ParallelState()
+
+
+def get_parallel_state() -> ParallelState:
+    return _state
+
+
+def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device,
+                  timeout_s: float = 600.0) -> ParallelState:
+    """Join a tensor-parallel group of `tp_size` processes rendezvousing at `init_method`
+    (e.g. tcp://127.0.0.1:29500)."""
+    global _state
+    if tp_size == 1:
+        _state = ParallelState()
+        return _state
+    import datetime
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, init_method=init_method, rank=tp_rank, world_size=tp_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    ranks = list(range(tp_size))
+    cpu_group = dist.new_group(ranks, backend="gloo") if backend != "gloo" else dist.group.WORLD
+    _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group)
+    return _state
+
+
+def destroy_parallel() -> None:
+    global _state
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = ParallelState()
+
+
+def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _state.tp_size == 1:
+        return x
+    dist.all_reduce(x, group=_state.device_group)
+    return x
+
+
+def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    if _state.tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=_state.device_group)
+    return torch.cat(parts, dim=dim)

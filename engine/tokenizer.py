@@ -1,0 +1,109 @@
+"""Tokenizer wrapper (encode, chat templates, EOS ids) and incremental detokenization that is correct
+across multi-byte characters split over several tokens."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.loader.source import ModelSource, ModelSourceError
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids: set[int]) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.all_special_ids = frozenset(hf_tokenizer.all_special_ids)
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def from_source(cls, source: ModelSource, tokenizer: str | None = None) -> "Tokenizer":
+        from transformers import AutoTokenizer
+        if tokenizer is not None:
+            hf = AutoTokenizer.from_pretrained(tokenizer)
+        elif source.gguf is not None:
+            hf = source.gguf.load_tokenizer()
+        else:
+            try:
+                hf = AutoTokenizer.from_pretrained(str(source.folder))
+            except (OSError, ValueError, TypeError) as exc:
+                raise ModelSourceError(f"no usable tokenizer in {source.folder}: {exc}") from exc
+        return cls(hf, _eos_ids(hf, source))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(token_ids)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return self.hf.convert_tokens_to_string(tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        # The template already spells out any BOS token, so the text is encoded without special tokens.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
+
+
+def _eos_ids(hf_tokenizer, source: ModelSource) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(hf_tokenizer.eos_token_id)
+    add(getattr(source.hf_config, "eos_token_id", None))
+    generation_config = Path(source.folder) / "generation_config.json"
+    if source.gguf is None and generation_config.is_file():
+        try:
+            add(json.loads(generation_config.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, emitted piece by piece. A piece is released only once it no
+    longer ends in an incomplete UTF-8 character; a few tokens of the prompt give the context for
+    leading spaces."""
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = [t for t in prompt_token_ids[-(self.CONTEXT_TOKENS + 1):] if not self._skipped(t)]
+        self.tokens = tokenizer.convert_ids_to_tokens(context)
+        self.prefix_offset = max(len(self.tokens) - self.CONTEXT_TOKENS, 0)
+        self.read_offset = len(self.tokens)
+
+    def _skipped(self, token_id: int) -> bool:
+        return self.skip_special_tokens and token_id in self.tokenizer.all_special_ids
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        if self._skipped(token_id):
+            return ""
+        self.tokens.extend(self.tokenizer.convert_ids_to_tokens([token_id]))
+        to_string = self.tokenizer.convert_tokens_to_string
+        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
+        full_text = to_string(self.tokens[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return full_text[len(prefix_text):]
+        return ""

@@ -1,0 +1,70 @@
+"""Tiny random-weight checkpoints of each supported architecture, saved as HF folders, for parity tests
+against transformers' own implementation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 389  # odd on purpose: exercises vocabulary padding
+TRAINING_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "Tokyo, Berlin and Madrid are capitals too. 0123456789 numbers, punctuation!? and unicode: "
+    "café, naïve, 東京, Привет, 😀. Language models predict the next token from the previous ones. "
+) * 4
+
+ARCHITECTURES = {
+    "llama": dict(model_type="llama", attention_bias=False),
+    "llama3_rope": dict(model_type="llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=48),
+}
+
+
+def build_tokenizer(folder: Path):
+    """A byte-level BPE tokenizer with VOCAB_SIZE entries, trained on a fixed text (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator([TRAINING_TEXT], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def make_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """Save a random tiny model of `arch` (a key of ARCHITECTURES) with its tokenizer into `folder`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    settings = dict(ARCHITECTURES[arch])
+    model_type = settings.pop("model_type")
+    settings = {**dict(
+        vocab_size=len(tokenizer), hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, initializer_range=0.2), **settings, **overrides}
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def hf_greedy(folder: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, never stopping early."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
