@@ -163,21 +163,39 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output (finish_reason 'abort')."""
+        sample_ids = self.output_processor.sample_ids(request_id)
         final = self.output_processor.finish_aborted(request_id)
-        self.scheduler.abort_requests(self.output_processor.remove(request_id))
+        self.scheduler.abort_requests(sample_ids)
         return final
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
     # ---- the loop -----------------------------------------------------------------------------------
+    # A step is three phases, so that a distributed coordinator can dispatch step N+1 to the workers
+    # before it detokenizes step N: schedule_step -> (executor) -> update_step -> process_step.
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        if scheduled.is_empty and not scheduled.finished_request_ids:
+        scheduled = self.schedule_step()
+        if scheduled is None:
             return []
         output = self.executor.execute(scheduled)
-        updated = self.scheduler.update_from_output(scheduled, output)
+        return self.process_step(self.update_step(scheduled, output), output)
+
+    def schedule_step(self) -> SchedulerOutput | None:
+        """The next step plan, or None when there is nothing for the runners to do."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty and not scheduled.finished_request_ids:
+            return None
+        return scheduled
+
+    def update_step(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
+        """Token-level bookkeeping (new tokens, EOS, lengths, cached blocks); cheap, done before the
+        next step is scheduled."""
         self.num_generated_tokens_total += len(output.sampled_token_ids)
+        return self.scheduler.update_from_output(scheduled, output)
+
+    def process_step(self, updated: list[Request], output: RunnerOutput) -> list[RequestOutput]:
+        """Detokenization, stop strings and logprobs; may run while the next step executes."""
         outputs, stop_hits = self.output_processor.process(updated, output)
         for sample_id, stop in stop_hits:
             self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_STOPPED, stop)

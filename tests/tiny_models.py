@@ -62,9 +62,24 @@ def make_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path
 
 def hf_greedy(folder: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate, never stopping early."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+    out = hf_model(folder).generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+_HF_MODELS: dict[str, object] = {}
+
+
+def hf_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+    key = str(folder)
+    if key not in _HF_MODELS:
+        model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+        model.generation_config.eos_token_id = None
+        _HF_MODELS[key] = model.eval()
+    return _HF_MODELS[key]
+
+
+def hf_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(folder)(torch.tensor([token_ids])).logits[0].float()

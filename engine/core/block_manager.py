@@ -80,8 +80,9 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
-        request.block_ids.extend(cached_block_ids)
-        request.num_cached_blocks = len(request.block_ids)
+        if cached_block_ids:
+            request.block_ids.extend(cached_block_ids)
+            request.num_cached_blocks = len(request.block_ids)
         for _ in range(max(num_new_blocks, 0)):
             request.block_ids.append(self._take_free_block())
         return True

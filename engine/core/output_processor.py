@@ -57,14 +57,14 @@ class OutputProcessor:
         self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, states,
                                            RequestMetrics(arrival_time), prompt_logprobs)
 
-    def remove(self, request_id: str) -> list[str]:
-        """Forget a request; returns its sample ids (for the scheduler to abort)."""
+    def sample_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.samples) if parent is not None else []
+
+    def remove(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
-        if parent is None:
-            return []
-        for sample_id in parent.samples:
+        for sample_id in parent.samples if parent is not None else ():
             self.parent_of.pop(sample_id, None)
-        return list(parent.samples)
 
     def process(self, updated: list[Request], output: RunnerOutput) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """Returns the outputs of requests that changed, and (sample id, stop string) for samples that a
@@ -99,7 +99,8 @@ class OutputProcessor:
         return [self._emit(parent) for parent in changed.values()], stop_hits
 
     def finish_aborted(self, request_id: str) -> RequestOutput | None:
-        """A final output for an aborted request (samples that had not finished say 'abort')."""
+        """The final output of an aborted request (samples that had not finished say 'abort'); the
+        request is forgotten afterwards."""
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -169,7 +170,11 @@ class OutputProcessor:
             completion.new_text = completion.text[sample.num_sent_chars:visible]
             completion.new_token_ids = completion.token_ids[sample.num_sent_tokens:]
             sample.num_sent_chars, sample.num_sent_tokens = visible, len(completion.token_ids)
-            outputs.append(CompletionOutput(**vars(completion)))
+            # A snapshot: the state keeps growing, outputs already handed out must not.
+            outputs.append(CompletionOutput(
+                completion.index, completion.text, list(completion.token_ids), completion.finish_reason,
+                completion.stop_reason, None if completion.logprobs is None else list(completion.logprobs),
+                completion.new_text, completion.new_token_ids))
         if finished:
             parent.metrics.finished_time = time.monotonic()
             self.remove(parent.request_id)

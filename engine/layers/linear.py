@@ -1,5 +1,10 @@
 """Linear layers and their tensor-parallel variants. Each owns its weight and a `weight_loader` that
-takes the full checkpoint tensor and keeps this rank's shard."""
+takes the full checkpoint tensor and keeps this rank's shard.
+
+Sizes that do not divide by the number of ranks are split as evenly as possible (the first ranks get one
+unit more); paired layers (column then row) use the same split, so the maths is unchanged. Attention is
+split in whole GQA groups, so a model with 9 heads and 3 KV heads runs on 2 ranks as 6 + 3 heads.
+"""
 from __future__ import annotations
 
 import torch
@@ -9,10 +14,11 @@ from engine.kernels import ops
 from engine.parallel import get_parallel_state, tensor_parallel_all_reduce
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
-    return numerator // denominator
+def shard_range(total: int, num_shards: int, index: int) -> tuple[int, int]:
+    """(start, size) of shard `index` when `total` units are split as evenly as possible."""
+    base, extra = divmod(total, num_shards)
+    start = index * base + min(index, extra)
+    return start, base + (1 if index < extra else 0)
 
 
 def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -25,11 +31,13 @@ def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, name: str) ->
 class LinearBase(nn.Module):
     """y = x W^T + b, with W stored [output, input] on this rank (shard along `tp_dim` if any)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
+                 shard_start: int = 0) -> None:
         super().__init__()
         state = get_parallel_state()
         self.tp_rank, self.tp_size, self.tp_dim = state.tp_rank, state.tp_size, tp_dim
         self.input_size, self.output_size = input_size, output_size
+        self.shard_start = shard_start  # offset of this rank's slice along tp_dim in the full tensor
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -40,8 +48,7 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_dim is not None and self.tp_size > 1 and self.tp_dim < loaded.dim():
-            shard = param.shape[self.tp_dim]
-            loaded = loaded.narrow(self.tp_dim, self.tp_rank * shard, shard)
+            loaded = loaded.narrow(self.tp_dim, self.shard_start, param.shape[self.tp_dim])
         _copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,9 +63,11 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank returns its slice (no communication)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        tp_size = get_parallel_state().tp_size
-        super().__init__(input_size, _divide(output_size, tp_size, "output size"), bias, tp_dim=0)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 output_shard: tuple[int, int] | None = None) -> None:
+        state = get_parallel_state()
+        start, size = output_shard or shard_range(output_size, state.tp_size, state.tp_rank)
+        super().__init__(input_size, size, bias, tp_dim=0, shard_start=start)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -66,52 +75,68 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     rank's slice of projection i."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        state = get_parallel_state()
+        self.shards = [shard_range(size, state.tp_size, state.tp_rank) for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, output_shard=(0, sum(s for _, s in self.shards)))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        shard = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        loaded = loaded.narrow(0, self.tp_rank * shard, shard)
-        _copy_checked(param.data.narrow(0, offset, shard), loaded, f"{type(self).__name__}[{shard_id}]")
+        start, size = self.shards[shard_id]
+        offset = sum(s for _, s in self.shards[:shard_id])
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size),
+                      f"{type(self).__name__}[{shard_id}]")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections in one weight, split by heads. With fewer KV heads than ranks, each KV head
-    is replicated on tp_size / num_kv_heads ranks."""
+    """Q, K and V projections in one weight, split by heads in whole GQA groups. With fewer KV heads than
+    ranks, each KV head is replicated on tp_size / num_kv_heads ranks."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = False) -> None:
-        tp_size = get_parallel_state().tp_size
+        state = get_parallel_state()
+        tp_size, tp_rank = state.tp_size, state.tp_rank
+        if total_num_heads % total_num_kv_heads:
+            raise ValueError(f"{total_num_heads} attention heads do not form groups over "
+                             f"{total_num_kv_heads} KV heads")
+        group = total_num_heads // total_num_kv_heads
         self.head_size = head_size
-        self.num_heads = _divide(total_num_heads, tp_size, "number of attention heads")
         if total_num_kv_heads >= tp_size:
-            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "number of KV heads")
-            self.kv_replicas = 1
+            self.kv_head_start, self.num_kv_heads = shard_range(total_num_kv_heads, tp_size, tp_rank)
+            self.q_head_start, self.num_heads = self.kv_head_start * group, self.num_kv_heads * group
         else:
-            self.num_kv_heads = 1
-            self.kv_replicas = _divide(tp_size, total_num_kv_heads, "tensor_parallel_size over KV heads")
-        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
-        super().__init__(hidden_size, output_size, bias)
+            if tp_size % total_num_kv_heads or total_num_heads % tp_size:
+                raise ValueError(f"tensor_parallel_size {tp_size} cannot share {total_num_kv_heads} KV heads "
+                                 f"and {total_num_heads} heads evenly")
+            self.num_kv_heads, self.kv_head_start = 1, tp_rank // (tp_size // total_num_kv_heads)
+            self.num_heads = total_num_heads // tp_size
+            self.q_head_start = tp_rank * self.num_heads
+        local = (self.num_heads + 2 * self.num_kv_heads) * head_size
+        super().__init__(hidden_size, local, bias, output_shard=(0, local))
+
+    @property
+    def q_shard(self) -> tuple[int, int]:
+        """(start, size) of this rank's query features in the full model: the output projection's input."""
+        return self.q_head_start * self.head_size, self.num_heads * self.head_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         if shard_id == "q":
-            offset, size, index = 0, q_size, self.tp_rank
+            offset, size, start = 0, q_size, self.q_head_start * self.head_size
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, index = kv_size, self.tp_rank // self.kv_replicas
-        loaded = loaded.narrow(0, index * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]")
+            size, start = kv_size, self.kv_head_start * self.head_size
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size),
+                      f"{type(self).__name__}[{shard_id}]")
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed with an all-reduce. The bias is
     added once, after the reduction."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
-        tp_size = get_parallel_state().tp_size
-        super().__init__(_divide(input_size, tp_size, "input size"), output_size, bias, tp_dim=1)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
+                 input_shard: tuple[int, int] | None = None) -> None:
+        state = get_parallel_state()
+        start, size = input_shard or shard_range(input_size, state.tp_size, state.tp_rank)
+        super().__init__(size, output_size, bias, tp_dim=1, shard_start=start)
         self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

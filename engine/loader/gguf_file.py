@@ -53,7 +53,7 @@ class GGUFFile:
         self.tensors = [TensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
 
     def tensor_data(self, info: TensorInfo) -> np.ndarray:
-        """Raw data: float types as their dtype and shape; quantized types as uint8 rows."""
+        """The tensor's bytes as uint8, one row per tensor row (gguf.quants.dequantize decodes them)."""
         from gguf import GGML_QUANT_SIZES
         block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
         num_elements = int(np.prod(info.shape))

@@ -31,7 +31,9 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtyp
     bfloat16 where the hardware computes it natively, else float32."""
     if requested != "auto":
         return _DTYPES[requested]
-    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 5 calls it `dtype` (and warns on `torch_dtype`); 4.x only has `torch_dtype`.
+    attributes = vars(hf_config)
+    checkpoint = attributes.get("dtype") or attributes.get("torch_dtype")
     if isinstance(checkpoint, str):
         checkpoint = _DTYPES.get(checkpoint)
     if checkpoint in (torch.bfloat16, torch.float16):

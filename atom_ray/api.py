@@ -1,0 +1,100 @@
+"""The Python API: `atom_ray.start(model, **engine_args)` runs an engine on Ray and returns a handle."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import AsyncIterator, Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+from atom_ray.client import RayEngineClient, unwrap_ray_error
+from atom_ray.cluster import ensure_ray
+from atom_ray.coordinator import Coordinator
+
+
+class EngineHandle:
+    """A running engine instance: a Coordinator actor and its RankWorker actors."""
+
+    def __init__(self, coordinator, client: RayEngineClient) -> None:
+        self.coordinator = coordinator
+        self.client = client
+        self.tokenizer = client.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Same contract as engine.LLM.generate: outputs in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+
+        async def run_all():
+            async def final(prompt, p):
+                output = None
+                async for output in self.client.generate(prompt, p):
+                    pass
+                return output
+            return await asyncio.gather(*(final(prompt, p) for prompt, p in zip(prompts, params)))
+
+        return _run_coroutine(run_all())
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params)
+
+    async def stream(self, prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they are produced (each cumulative, with `new_text` deltas)."""
+        async for output in self.client.generate(prompt, sampling_params or SamplingParams()):
+            yield output
+
+    def stats(self) -> dict:
+        return self.client.stats()
+
+    def shutdown(self) -> None:
+        import ray
+        self.client.close()
+        try:
+            ray.get(self.coordinator.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(self.coordinator)
+
+
+def start(model: str, *, address: str | None = None, cpus_per_rank: int | None = None,
+          accelerator_type: str | None = None, placement_timeout_s: float = 600.0, **engine_args) -> EngineHandle:
+    """Start an engine for `model` on Ray: joins `address` (or a running local cluster), else starts a
+    local Ray on 127.0.0.1. Engine arguments are EngineConfig's (tensor_parallel_size, dtype, ...)."""
+    import ray
+    config = EngineConfig.from_kwargs(model, **engine_args)  # invalid arguments fail here, in the caller
+    ensure_ray(address)
+    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=10_000).remote(
+        config, cpus_per_rank, accelerator_type, placement_timeout_s)
+    try:
+        info = ray.get(coordinator.initialize.remote())
+    except Exception as exc:
+        ray.kill(coordinator)
+        raise unwrap_ray_error(exc) from None
+    return EngineHandle(coordinator, RayEngineClient(coordinator, info))
+
+
+def _run_coroutine(coroutine):
+    """Run to completion from sync code, also when the calling thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    result: list = []
+
+    def target():
+        result.append(asyncio.run(coroutine))
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    return result[0]

@@ -1,0 +1,87 @@
+"""The `atom-ray` command: `serve` runs the OpenAI-compatible server on Ray (a local one by default);
+`generate` streams one completion to the terminal without Ray."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from atom_ray.engine_args import add_engine_arguments, engine_kwargs_from_args
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atom-ray", description="LLM inference on Ray (ATOM-style engine).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate one completion, streamed to the terminal")
+    generate.add_argument("--model", default=DEFAULT_MODEL, help=f"HF folder, .gguf file or alias (default {DEFAULT_MODEL})")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _sampling_arguments(generate)
+    add_engine_arguments(generate)
+    generate.set_defaults(handler=run_generate)
+
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible API on Ray Serve")
+    serve.add_argument("--model", default=DEFAULT_MODEL, help=f"HF folder, .gguf file or alias (default {DEFAULT_MODEL})")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--address", default=None, help="Ray cluster to join (default: a running local one, "
+                       "else a new local Ray on 127.0.0.1)")
+    serve.add_argument("--config", default=None, help="a serve config file (applications, http_options)")
+    serve.add_argument("--cpus-per-rank", type=int, default=None)
+    serve.add_argument("--max-pending-requests", type=int, default=256)
+    add_engine_arguments(serve)
+    serve.set_defaults(handler=run_serve)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from atom_ray.serving import ServeOptions, serve_until_interrupted
+    options = ServeOptions(host=args.host, port=args.port, address=args.address, config_path=args.config)
+    app_args = {"model": args.model, "served_model_name": args.served_model_name,
+                "engine_args": engine_kwargs_from_args(args), "cpus_per_rank": args.cpus_per_rank,
+                "max_pending_requests": args.max_pending_requests}
+    return serve_until_interrupted(options, app_args)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from engine import LLMEngine, EngineConfig, SamplingParams
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs_from_args(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            sys.stdout.write(output.outputs[0].new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as exc:  # every user-caused error (config, model folder, request) is a ValueError
+        print(f"atom-ray: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

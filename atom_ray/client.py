@@ -1,0 +1,152 @@
+"""Client of a Coordinator, with the same methods as engine.async_llm.AsyncLLM (generate, abort, stats,
+tokenizer, max_model_len, is_healthy), so the HTTP app runs unchanged on a distributed engine.
+
+One background thread keeps one poll call outstanding and fans each batch of outputs out to the
+waiting requests' asyncio queues, whichever event loops they belong to.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+from typing import AsyncIterator
+
+from engine.async_llm import EngineDeadError
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+from atom_ray.coordinator import OutputDelta
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap_ray_error(exc: BaseException) -> BaseException:
+    """The user-facing exception inside a RayTaskError (e.g. InvalidRequestError from add_request)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt) -> None:
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.output: RequestOutput | None = None
+        self.prompt = prompt if isinstance(prompt, str) else None
+
+    def apply(self, delta: OutputDelta) -> RequestOutput:
+        """The cumulative RequestOutput after this delta (a fresh object: earlier ones stay valid)."""
+        if self.output is None:
+            self.output = RequestOutput(delta.request_id, self.prompt, delta.prompt_token_ids or [], [],
+                                        prompt_logprobs=delta.prompt_logprobs)
+        completions = {c.index: c for c in self.output.outputs}
+        for change in delta.completions:
+            current = completions.get(change.index) or CompletionOutput(
+                index=change.index, logprobs=[] if change.new_logprobs is not None else None)
+            completions[change.index] = CompletionOutput(
+                index=change.index, text=current.text + change.new_text,
+                token_ids=current.token_ids + change.new_token_ids, finish_reason=change.finish_reason,
+                stop_reason=change.stop_reason,
+                logprobs=(current.logprobs or []) + change.new_logprobs if change.new_logprobs is not None else current.logprobs,
+                new_text=change.new_text, new_token_ids=change.new_token_ids)
+        changed = {c.index for c in delta.completions}
+        outputs = [completions[i] if i in changed else _without_delta(completions[i]) for i in sorted(completions)]
+        self.output = RequestOutput(self.output.request_id, self.output.prompt, self.output.prompt_token_ids,
+                                    outputs, delta.finished, self.output.prompt_logprobs, delta.num_cached_tokens)
+        return self.output
+
+
+def _without_delta(completion: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(completion.index, completion.text, completion.token_ids, completion.finish_reason,
+                            completion.stop_reason, completion.logprobs)
+
+
+class RayEngineClient:
+    POLL_TIMEOUT_S = 1.0
+
+    def __init__(self, coordinator, info: dict) -> None:
+        self.coordinator = coordinator
+        self.client_id = uuid.uuid4().hex[:12]
+        self.tokenizer = info["tokenizer"]
+        self.max_model_len = info["max_model_len"]
+        self.model = info["model"]
+        self._ids = itertools.count()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stats: dict = {}
+        self.error: BaseException | None = None
+        self._closed = False
+        self._poller = threading.Thread(target=self._poll_loop, name=f"atom-ray-poll-{self.client_id}", daemon=True)
+        self._poller.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and not self._closed and not self._stats.get("error")
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not available: {self.error or self._stats.get('error')}")
+        request_id = request_id or f"{self.client_id}-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), prompt)
+        with self._lock:  # registered first: outputs may arrive before add_request returns
+            self._streams[request_id] = stream
+        try:
+            await self.coordinator.add_request.remote(self.client_id, request_id, prompt, params)
+        except Exception as exc:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise unwrap_ray_error(exc) from None
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine failed: {item!r}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self.coordinator.abort.remote([request_id])
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _poll_loop(self) -> None:
+        import ray
+        while not self._closed:
+            try:
+                deltas, stats = ray.get(self.coordinator.poll.remote(self.client_id, self.POLL_TIMEOUT_S))
+            except Exception as exc:
+                if not self._closed:
+                    logger.error("coordinator unreachable: %r", exc)
+                    self.error = exc
+                    self._fail_all(exc)
+                return
+            self._stats = stats
+            if stats.get("error"):
+                self._fail_all(RuntimeError(stats["error"]))
+            for delta in deltas:
+                self._dispatch(delta)
+
+    def _dispatch(self, delta: OutputDelta) -> None:
+        with self._lock:
+            stream = self._streams.pop(delta.request_id, None) if delta.finished else self._streams.get(delta.request_id)
+        if stream is not None:
+            output = stream.apply(delta)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)

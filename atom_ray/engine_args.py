@@ -1,0 +1,45 @@
+"""Command-line flags for every EngineConfig field, so the CLI and configs never list them by hand."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+
+from engine.config import EngineConfig
+
+_SKIPPED = {"model"}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in _SKIPPED:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        hint = hints[field.name]
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if hint is bool:
+            group.add_argument(flag, type=_parse_bool, default=None, metavar="BOOL",
+                               help=f"(default: {default})")
+        elif hint is dict:
+            group.add_argument(flag, type=json.loads, default=None, metavar="JSON", help="(JSON object)")
+        else:
+            base = int if "int" in str(hint) else float if "float" in str(hint) else str
+            group.add_argument(flag, type=base, default=None, help=f"(default: {default})")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """Only the flags the user gave, so EngineConfig's defaults stay the single source of defaults."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if f.name not in _SKIPPED and getattr(args, f.name, None) is not None}

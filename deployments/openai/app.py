@@ -1,0 +1,58 @@
+"""The OpenAI-compatible FastAPI app over an engine client (the in-process AsyncLLM or the Ray client).
+It keeps no global state and starts no loop, so Ray Serve can mount it and a process can build several."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import engine_unavailable, install_error_handlers
+from .metrics import AppMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .serving import ServingContext, run_guarded
+from .streams import Admission, resolve
+
+
+def build_openai_app(client, served_model_name: str, max_pending_requests: int = 256) -> FastAPI:
+    """`client` offers AsyncLLM's interface: generate(prompt, params, request_id), abort(request_id), stats(),
+    tokenizer, max_model_len, is_healthy. At most `max_pending_requests` generation requests are in flight;
+    more get 429 with Retry-After."""
+    if max_pending_requests < 1:
+        raise ValueError(f"max_pending_requests must be at least 1 (got {max_pending_requests})")
+    ctx = ServingContext(client, served_model_name, AppMetrics(), Admission(max_pending_requests))
+    # strict_content_type=False: a JSON body without a Content-Type header (curl -d ...) still parses.
+    app = FastAPI(title="atom-ray OpenAI-compatible API", strict_content_type=False)
+    install_error_handlers(app)
+    app.state.serving = ctx
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await run_guarded(create_completion(ctx, body, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await run_guarded(create_chat_completion(ctx, body, raw_request))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, root=served_model_name,
+                                         max_model_len=ctx.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not await ctx.is_healthy():
+            return engine_unavailable().response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            stats = await resolve(client.stats())
+        except Exception:  # a dead engine still gets its app-side metrics scraped
+            stats = {}
+        body, content_type = ctx.metrics.render(stats)
+        return Response(body, media_type=content_type)
+
+    return app
+

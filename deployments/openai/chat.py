@@ -1,0 +1,104 @@
+"""POST /v1/chat/completions: messages through the model's chat template to assistant replies, whole or
+streamed as chat.completion.chunk events."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.outputs import CompletionOutput, RequestOutput
+
+from .errors import bad_request
+from .logprobs import chat_logprobs
+from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatLogprobs, DeltaMessage, UsageInfo)
+from .serving import DONE_EVENT, ChoiceProgress, OutputStream, ServingContext, error_event, sse_event
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
+    await ctx.check_ready(body.model)
+    messages = [message.to_template_dict() for message in body.messages]
+    try:
+        token_ids = ctx.client.tokenizer.encode_chat(messages)
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise bad_request(f"The chat template cannot render these messages: {exc}", "messages") from exc
+    if not token_ids:
+        raise bad_request("The messages render to an empty prompt", "messages")
+    max_tokens = body.requested_max_tokens
+    ctx.check_context(len(token_ids), max_tokens, "messages",
+                      "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+    params = body.to_sampling_params(max_tokens, body.engine_logprobs)
+    response = _ChatResponder(ctx, body, len(token_ids), f"chatcmpl-{uuid.uuid4().hex}")
+    return await ctx.run(raw_request, [token_ids], params, response.id, body.stream, response.full,
+                         response.events)
+
+
+class _ChatResponder:
+    def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, num_prompt_tokens: int,
+                 response_id: str) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.num_prompt_tokens = num_prompt_tokens
+        self.id = response_id
+        self.created = int(time.time())
+        self.num_top_logprobs = body.top_logprobs or 0
+
+    def _logprobs(self, positions, token_ids: list[int]) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        return ChatLogprobs(content=chat_logprobs(positions, token_ids, self.num_top_logprobs))
+
+    def full(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
+        (output,) = finals
+        choices = [ChatChoice(index=completion.index, message=AssistantMessage(content=completion.text),
+                              logprobs=self._logprobs(completion.logprobs, completion.token_ids),
+                              finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                   for completion in output.outputs]
+        num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
+                                      choices=choices, usage=UsageInfo.of(self.num_prompt_tokens, num_completion_tokens))
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        return sse_event(ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.served_model_name,
+                                             choices=choices, usage=usage))
+
+    async def events(self, outputs: OutputStream) -> AsyncIterator[str]:
+        progress = [ChoiceProgress() for _ in range(self.body.n)]
+        num_completion_tokens = 0
+        try:
+            yield self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                               for i in range(self.body.n)])
+            async for _, output in outputs:
+                choices = []
+                for completion in output.outputs:
+                    if progress[completion.index].done:  # later outputs of the request repeat a finished sample
+                        continue
+                    num_completion_tokens += len(completion.new_token_ids)
+                    choice = self._step_choice(progress[completion.index], completion)
+                    if choice is not None:
+                        choices.append(choice)
+                if choices:
+                    yield self._chunk(choices)
+            if self.body.include_usage_in_stream:
+                yield self._chunk([], UsageInfo.of(self.num_prompt_tokens, num_completion_tokens))
+        except Exception as exc:
+            yield error_event(exc)
+        yield DONE_EVENT
+
+    def _step_choice(self, progress: ChoiceProgress, completion: CompletionOutput) -> ChatChunkChoice | None:
+        """The chunk choice for one sample's step; None when there is nothing to send yet."""
+        new_token_ids = completion.new_token_ids
+        logprobs = None
+        if self.body.logprobs and new_token_ids:
+            logprobs = self._logprobs(progress.new_logprobs(completion), new_token_ids)
+        progress.sent_tokens += len(new_token_ids)
+        progress.done = completion.finished
+        text = completion.new_text
+        if not text and not completion.finished and logprobs is None:
+            return None  # tokens whose text is held back (a possible stop string, a partial character)
+        return ChatChunkChoice(index=completion.index, delta=DeltaMessage(content=text or None), logprobs=logprobs,
+                               finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)

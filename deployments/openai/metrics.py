@@ -1,0 +1,109 @@
+"""Prometheus metrics of one app, on its own registry (several apps may share a process): latencies measured
+here from output arrival times, and the engine's own gauges and counters read from `client.stats()` at
+scrape time."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "atom_ray:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                      0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0)
+
+# (metric name, stats key, help)
+_ENGINE_GAUGES = (
+    ("num_requests_running", "num_running", "Sequences in the engine's running batch."),
+    ("num_requests_waiting", "num_waiting", "Sequences waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (0 to 1)."),
+)
+_ENGINE_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens the engine accepted."),
+    ("generation_tokens", "generation_tokens", "Tokens the engine generated."),
+    ("num_preemptions", "num_preemptions", "Sequences preempted for lack of KV cache blocks."),
+)
+
+
+class _EngineStatsCollector:
+    """Exposes the latest `client.stats()` snapshot; the engine's counters are cumulative, so they are
+    reported as they are rather than incremented here."""
+
+    def __init__(self) -> None:
+        self.stats: dict = {}
+
+    def collect(self):
+        for name, key, help_text in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, help_text)
+            if key in self.stats:
+                family.add_metric([], float(self.stats[key]))
+            yield family
+        for name, key, help_text in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, help_text)
+            if key in self.stats:
+                family.add_metric([], float(self.stats[key]))
+            yield family
+
+
+class AppMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first output.",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between successive outputs of a request.",
+            registry=self.registry, buckets=_TOKEN_GAP_BUCKETS)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last output.",
+            registry=self.registry, buckets=_REQUEST_BUCKETS)
+        # A counter family built by hand, so that finish reasons seen by this app add up across scrapes.
+        self._finished: dict[str, int] = {}
+        self._engine_stats = _EngineStatsCollector()
+        self.registry.register(self._engine_stats)
+        self.registry.register(self)
+
+    def record_finished(self, finish_reason: str | None) -> None:
+        reason = finish_reason or "unknown"
+        self._finished[reason] = self._finished.get(reason, 0) + 1
+
+    def collect(self):
+        family = CounterMetricFamily(PREFIX + "request_success", "Completions finished, by finish reason.",
+                                     labels=["finished_reason"])
+        for reason, count in self._finished.items():
+            family.add_metric([reason], count)
+        yield family
+
+    def render(self, engine_stats: dict) -> tuple[bytes, str]:
+        """The exposition text with the engine's numbers from `engine_stats`, and its content type."""
+        self._engine_stats.stats = engine_stats
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def timer(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latencies of one engine request, observed as its outputs arrive."""
+    __slots__ = ("metrics", "start", "last")
+
+    def __init__(self, metrics: AppMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+
+    def on_output(self, finished: bool) -> None:
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.time_to_first_token.observe(now - self.start)
+        else:
+            self.metrics.inter_token_latency.observe(now - self.last)
+        self.last = now
+        if finished:
+            self.metrics.e2e_request_latency.observe(now - self.start)

@@ -1,0 +1,153 @@
+"""The engine side of one HTTP request: its engine requests (one per prompt) read as a single stream, aborted
+when the request ends early; the in-flight limit; and waiting on work while watching for a client that left."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+from .errors import too_many_requests
+from .metrics import AppMetrics, RequestTimer
+
+T = TypeVar("T")
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was complete."""
+
+
+def call_maybe_async(value: Any) -> Any:
+    """A client attribute that may be a value, a method, or a coroutine method (the Ray client's are remote)."""
+    return value() if callable(value) else value
+
+
+async def resolve(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class Admission:
+    """Counts the generation requests in flight at this app and turns away those past the limit."""
+
+    def __init__(self, max_pending_requests: int) -> None:
+        self.max_pending_requests = max_pending_requests
+        self.in_flight = 0
+
+    def admit(self) -> "Ticket":
+        if self.in_flight >= self.max_pending_requests:
+            raise too_many_requests(self.in_flight)
+        self.in_flight += 1
+        return Ticket(self)
+
+
+class Ticket:
+    __slots__ = ("admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission: Admission | None = admission
+
+    def release(self) -> None:
+        if self.admission is not None:  # idempotent: both a finally and a response close may call it
+            self.admission.in_flight -= 1
+            self.admission = None
+
+
+class EngineRequests:
+    """The engine requests of one HTTP request, one per prompt. `outputs()` yields (prompt index, output) in
+    arrival order; `close()` aborts the unfinished ones so their KV blocks are freed."""
+
+    def __init__(self, client, prompts: list[list[int]], params: SamplingParams, request_ids: list[str],
+                 metrics: AppMetrics) -> None:
+        self.client = client
+        self.prompts = prompts
+        self.params = params
+        self.request_ids = request_ids
+        self.unfinished = set(range(len(prompts)))
+        self.timers = [metrics.timer() for _ in prompts]
+        self.metrics = metrics
+        self._generators: list = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            if len(self.prompts) == 1:  # the common case, read directly without a task
+                generator = self.client.generate(self.prompts[0], self.params, self.request_ids[0])
+                self._generators.append(generator)
+                async for output in generator:
+                    self._observe(0, output)
+                    yield 0, output
+            else:
+                async for index, output in self._merged():
+                    self._observe(index, output)
+                    yield index, output
+        finally:
+            await self.close()
+
+    def _observe(self, index: int, output: RequestOutput) -> None:
+        self.timers[index].on_output(output.finished)
+        if output.finished:
+            self.unfinished.discard(index)
+            for completion in output.outputs:
+                self.metrics.record_finished(completion.finish_reason)
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int) -> None:
+            generator = self.client.generate(self.prompts[index], self.params, self.request_ids[index])
+            self._generators.append(generator)
+            try:
+                async for output in generator:
+                    queue.put_nowait((index, output))
+            except Exception as exc:  # handed to the reader, which raises it in the request's context
+                queue.put_nowait((index, exc))
+            queue.put_nowait((index, done))
+
+        self._tasks = [asyncio.create_task(pump(index)) for index in range(len(self.prompts))]
+        remaining = len(self._tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+
+    async def close(self) -> None:
+        """Abort what has not finished. Safe to call more than once and from a cancelled task: nothing here
+        waits on the engine."""
+        for task in self._tasks:
+            task.cancel()
+        for index in sorted(self.unfinished):
+            result = self.client.abort(self.request_ids[index])
+            if inspect.isawaitable(result):
+                asyncio.ensure_future(result)
+        self.unfinished.clear()
+        generators, self._generators = self._generators, []
+        for generator in generators:
+            try:
+                await generator.aclose()
+            except (Exception, asyncio.CancelledError):
+                pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientDisconnected) if the HTTP client goes away first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,34 @@
+"""The portable Triton backend: norms, rotary embedding, SiLU-and-mul, sampling and paged attention as
+Triton kernels for any CUDA or ROCm GPU.
+
+`gemm` is deliberately absent: the registry then uses the torch op, i.e. cuBLAS / hipBLASLt, which beats a
+portable Triton GEMM at every shape the engine runs."""
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.registry import KernelBackend
+from engine.kernels.triton import ops
+from engine.kernels.triton.attention import TritonAttentionBackend
+from engine.kernels.triton.sampling import sample
+
+BACKEND = KernelBackend(
+    name="triton",
+    ops={
+        "rms_norm": ops.rms_norm,
+        "fused_add_rms_norm": ops.fused_add_rms_norm,
+        "rotary_embedding": ops.rotary_embedding,
+        "silu_and_mul": ops.silu_and_mul,
+        "sample": sample,
+    },
+    attention=TritonAttentionBackend,
+)
+
+
+def available(device: torch.device) -> str | None:
+    """None when the backend can run on `device`, else why not."""
+    if device.type != "cuda":
+        return f"Triton kernels need a CUDA or ROCm GPU, not {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA or ROCm GPU is visible to torch"
+    return None

@@ -1,0 +1,208 @@
+"""Triton kernels for the element-wise and row-wise operations: RMSNorm (plain and fused with the residual
+add), rotary embedding and SiLU-and-mul. Numerics follow the torch reference in engine/kernels/torch/ops.py."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows up to this many features are normalised from registers in one pass (no spills on sm_90 even in
+# fp32); longer ones take two passes over chunks.
+_MAX_SINGLE_PASS = 16384
+_CHUNK = 4096
+
+
+def _num_warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [outer, inner, N] with a unit last stride, without copying where the strides allow it
+    (e.g. a [T, H, D] head view of a fused QKV output)."""
+    n = x.shape[-1]
+    if x.dim() == 3 and x.stride(-1) == 1:
+        return x
+    if x.stride(-1) == 1:
+        try:
+            return x.view(-1, 1, n)
+        except RuntimeError:
+            pass
+    return x.contiguous().view(-1, 1, n)
+
+
+@triton.jit
+def _row_offsets(rows, inner, stride_outer, stride_inner):
+    rows = rows.to(tl.int64)
+    return (rows // inner) * stride_outer + (rows % inner) * stride_inner
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, n, inner,
+                     sx0, sx1, sr0, sr1, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SINGLE_PASS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < num_rows
+    x_rows = _row_offsets(rows, inner, sx0, sx1)[:, None]
+    r_rows = _row_offsets(rows, inner, sr0, sr1)[:, None]
+    out_rows = rows.to(tl.int64)[:, None] * n  # outputs are contiguous
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    if SINGLE_PASS:
+        mask = row_mask[:, None] & (cols < n)
+        x = tl.load(x_ptr + x_rows + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            # The sum is rounded to the input dtype before the statistics, as `x + residual` is in torch.
+            x = (x.to(tl.float32) + tl.load(res_ptr + r_rows + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(res_out_ptr + out_rows + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / n + eps)
+        w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        y = (x32 * rstd[:, None]).to(x.dtype).to(tl.float32) * w
+        tl.store(out_ptr + out_rows + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        total = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n, BLOCK_N):
+            mask = row_mask[:, None] & (start + cols < n)
+            x = tl.load(x_ptr + x_rows + start + cols, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                x = (x.to(tl.float32)
+                     + tl.load(res_ptr + r_rows + start + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+                tl.store(res_out_ptr + out_rows + start + cols, x, mask=mask)
+            x32 = x.to(tl.float32)
+            total += x32 * x32
+        rstd = tl.math.rsqrt(tl.sum(total, axis=1) / n + eps)
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # the sums stored above are re-read below, possibly by other threads
+        for start in range(0, n, BLOCK_N):
+            mask = row_mask[:, None] & (start + cols < n)
+            if HAS_RESIDUAL:  # re-read the rounded sum this program just wrote
+                x = tl.load(res_out_ptr + out_rows + start + cols, mask=mask, other=0.0)
+            else:
+                x = tl.load(x_ptr + x_rows + start + cols, mask=mask, other=0.0)
+            w = tl.load(w_ptr + start + cols, mask=start + cols < n, other=0.0).to(tl.float32)
+            y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w
+            tl.store(out_ptr + out_rows + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_rms_norm(x, residual, weight, eps):
+    n = x.shape[-1]
+    rows_x = _as_rows(x)
+    rows_r = _as_rows(residual) if residual is not None else rows_x
+    num_rows = rows_x.shape[0] * rows_x.shape[1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    if num_rows == 0:
+        return out, res_out
+    single = triton.next_power_of_2(n) <= _MAX_SINGLE_PASS
+    block_n = triton.next_power_of_2(n) if single else _CHUNK
+    # Short rows (per-head q/k norms) are batched several to a program.
+    block_rows = max(1, min(16, 2048 // block_n, triton.next_power_of_2(num_rows)))
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+        rows_x, rows_r, weight.contiguous(), out, res_out, num_rows, n, rows_x.shape[1],
+        rows_x.stride(0), rows_x.stride(1), rows_r.stride(0), rows_r.stride(1), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_N=block_n, SINGLE_PASS=single,
+        num_warps=_num_warps(block_rows * block_n))
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel: reads x and residual once, writes norm(x + residual) and x + residual (fresh tensors,
+    so callers that keep the inputs are safe)."""
+    assert x.shape == residual.shape and x.dtype == residual.dtype, (x.shape, residual.shape, x.dtype, residual.dtype)
+    return _launch_rms_norm(x, residual, weight, eps)
+
+
+@triton.jit
+def _rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half_idx,
+                  HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    if IS_NEOX:
+        first, second = half_idx, half_idx + HALF
+    else:
+        first, second = 2 * half_idx, 2 * half_idx + 1
+    mask = (heads < num_heads) & (half_idx < HALF)
+    base = ptr + token * stride_t + heads * stride_h
+    x1 = tl.load(base + first, mask=mask, other=0.0)
+    x2 = tl.load(base + second, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base + first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(base + second, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, num_heads, num_kv_heads,
+                   sq_t, sq_h, sk_t, sk_h, stride_cache,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(pos_ptr + token).to(tl.int64)
+    half_idx = tl.arange(0, HALF_PAD)[None, :]
+    row = cache_ptr + position * stride_cache
+    cos = tl.load(row + half_idx, mask=half_idx < HALF, other=0.0)
+    sin = tl.load(row + HALF + half_idx, mask=half_idx < HALF, other=0.0)
+    # The reference rounds the table to the activation dtype before rotating.
+    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
+    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
+    _rotate_heads(q_ptr, token, sq_t, sq_h, num_heads, cos, sin, half_idx, HALF, IS_NEOX, BLOCK_H)
+    _rotate_heads(k_ptr, token, sk_t, sk_h, num_kv_heads, cos, sin, half_idx, HALF, IS_NEOX, BLOCK_HK)
+
+
+def _head_view(x: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        raise ValueError("rotary_embedding needs the head dimension to be contiguous")
+    return x
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on query [T, H, D] and key [T, Hk, D] (strided head views allowed); only the first
+    rotary_dim = cos_sin_cache.shape[-1] features of each head rotate."""
+    query, key = _head_view(query), _head_view(key)
+    num_tokens = query.shape[0]
+    rotary_dim = cos_sin_cache.shape[-1]
+    assert rotary_dim % 2 == 0 and rotary_dim <= query.shape[-1], (rotary_dim, query.shape)
+    if num_tokens == 0:
+        return query, key
+    cache = cos_sin_cache.contiguous()
+    half = rotary_dim // 2
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    block_h = triton.next_power_of_2(num_heads)
+    _rotary_kernel[(num_tokens,)](
+        positions.contiguous(), query, key, cache, num_heads, num_kv_heads,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cache.stride(0),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), IS_NEOX=is_neox,
+        BLOCK_H=block_h, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        num_warps=_num_warps(block_h * triton.next_power_of_2(half)))
+    return query, key
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < half
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # silu is rounded to the activation dtype before the product, as F.silu(x) * y is in torch.
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + row * half + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], half, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0 or half == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(half))
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(half, block))](
+        rows, out, half, rows.stride(0), BLOCK=block, num_warps=_num_warps(block))
+    return out

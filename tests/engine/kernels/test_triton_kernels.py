@@ -1,0 +1,339 @@
+"""The Triton backend against the torch reference on fresh random inputs: norms, rotary embedding,
+SiLU-and-mul, paged attention (decode, prefill, mixed, cached prefixes, profiling) and sampling.
+
+On a CUDA GPU the kernels run compiled at real sizes; elsewhere under TRITON_INTERPRET=1 at tiny sizes."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+pytest.importorskip("triton")
+
+from engine.kernels.attention import CommonAttentionMetadata  # noqa: E402
+from engine.kernels.registry import OPS  # noqa: E402
+from engine.kernels.sampling import SamplingTensors  # noqa: E402
+from engine.kernels.torch import ops as reference  # noqa: E402
+from engine.kernels.torch.attention import TorchAttentionBackend  # noqa: E402
+from engine.kernels.torch.sampling import apply_top_k_top_p_min_p  # noqa: E402
+from engine.kernels.torch.sampling import sample as reference_sample  # noqa: E402
+from engine.kernels import triton as triton_backend  # noqa: E402
+from engine.kernels.triton import ops  # noqa: E402
+from engine.kernels.triton.attention import TritonAttentionBackend  # noqa: E402
+from engine.kernels.triton.sampling import sample  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if INTERPRETED:
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("no GPU and TRITON_INTERPRET is off", allow_module_level=True)
+ON_GPU = DEVICE == "cuda"
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+             torch.float16: dict(rtol=5e-3, atol=5e-3)}
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))  # fresh inputs per test, reproducible
+
+
+# ---- norms, activation, rotary ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 1000, 4096] if ON_GPU else [64, 300])
+def test_rms_norm_matches_reference(dtype, hidden):
+    x, weight = randn(37, hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    assert_matches(ops.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_returns_norm_of_sum_and_sum(dtype):
+    hidden = 4096 if ON_GPU else 256
+    x, residual, weight = randn(19, hidden, dtype=dtype), randn(19, hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    normed, summed = ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    expected_normed, expected_sum = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert_matches(summed, expected_sum, dtype)
+    assert_matches(normed, expected_normed, dtype)
+
+
+def test_rms_norm_of_rows_longer_than_one_pass():
+    x, residual, weight = randn(3, 40000), randn(3, 40000), randn(40000)
+    assert_matches(ops.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), torch.float32)
+    for actual, expected in zip(ops.fused_add_rms_norm(x, residual, weight, 1e-6),
+                                reference.fused_add_rms_norm(x, residual, weight, 1e-6)):
+        assert_matches(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_of_strided_head_view(dtype):
+    """q/k norms see [T, H, D] views into a fused QKV output."""
+    qkv = randn(11, (4 + 2 + 2) * 64, dtype=dtype)
+    q = qkv[:, :4 * 64].reshape(-1, 4, 64)
+    weight = randn(64, dtype=dtype)
+    assert not q.is_contiguous()
+    assert_matches(ops.rms_norm(q, weight, 1e-6), reference.rms_norm(q, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_matches_reference(dtype):
+    x = randn(2, 13, 2 * (2816 if ON_GPU else 96), dtype=dtype)
+    assert_matches(ops.silu_and_mul(x), reference.silu_and_mul(x), dtype)
+
+
+def cos_sin_table(max_position: int, rotary_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("head_size,rotary_dim", [(64, 64), (128, 64), (96, 48)])
+def test_rotary_embedding_matches_reference_on_qkv_views(dtype, is_neox, head_size, rotary_dim):
+    num_tokens, num_heads, num_kv_heads = (300, 32, 8) if ON_GPU else (9, 4, 2)
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.reshape(-1, num_heads, head_size), k.reshape(-1, num_kv_heads, head_size)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    table = cos_sin_table(4096, rotary_dim)
+    expected_q, expected_k = reference.rotary_embedding(positions, q.clone(), k.clone(), table, is_neox)
+    actual_q, actual_k = ops.rotary_embedding(positions, q, k, table, is_neox)
+    assert_matches(actual_q, expected_q, dtype)
+    assert_matches(actual_k, expected_k, dtype)
+
+
+# ---- attention ----------------------------------------------------------------------------------------
+
+def make_batch(seqs: list[tuple[int, int]], block_size: int, num_blocks: int) -> CommonAttentionMetadata:
+    """seqs: (cached tokens, new tokens) per sequence, decodes (one new token) first. Blocks are
+    scattered at random over the cache, as the block manager would leave them after a while."""
+    free = torch.randperm(num_blocks).tolist()
+    starts, seq_lens, computed, tables, slots = [0], [], [], [], []
+    for cached, new in seqs:
+        total = cached + new
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(blocks)
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(cached, total))
+        starts.append(starts[-1] + new)
+        seq_lens.append(total)
+        computed.append(cached)
+    table = torch.zeros(len(seqs), max(len(b) for b in tables), dtype=torch.int32)
+    for row, blocks in enumerate(tables):
+        table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    num_decodes = sum(1 for _, new in seqs if new == 1)
+    assert all(new == 1 for _, new in seqs[:num_decodes])
+    return CommonAttentionMetadata(
+        num_seqs=len(seqs), num_decodes=num_decodes, num_tokens=starts[-1],
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_table=table.to(DEVICE), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(new for _, new in seqs), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, num_computed_tokens_cpu=computed)
+
+
+def qkv_views(num_tokens, num_heads, num_kv_heads, head_size, dtype):
+    """query/key/value as the model hands them over: strided views of one fused projection output."""
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (q.reshape(-1, num_heads, head_size), k.reshape(-1, num_kv_heads, head_size),
+            v.reshape(-1, num_kv_heads, head_size))
+
+
+def check_attention(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, **plan_overrides):
+    num_blocks = sum(-(-(cached + new) // block_size) for cached, new in seqs) + 3
+    common = make_batch(seqs, block_size, num_blocks)
+    query, key, value = qkv_views(common.num_tokens, num_heads, num_kv_heads, head_size, dtype)
+    shape = TritonAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    assert shape == TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    cache = randn(*shape, dtype=dtype)  # stands in for the cached prefixes' keys and values
+    expected_cache = cache.clone()
+    scale = head_size ** -0.5
+    expected = TorchAttentionBackend.forward(query, key, value, expected_cache, common, scale, block_size)
+    metadata = TritonAttentionBackend.build_metadata(common, block_size)
+    if plan_overrides:
+        metadata = dataclasses.replace(metadata, **plan_overrides, _decode_plans={})
+    actual = TritonAttentionBackend.forward(query, key, value, cache, metadata, scale, block_size)
+    assert torch.equal(cache, expected_cache), "the cache write must store exactly this step's keys/values"
+    assert_matches(actual, expected, dtype)
+    return metadata
+
+
+def mixed_seqs(block_size: int) -> list[tuple[int, int]]:
+    """Decodes (contexts on, just past and far past block boundaries), then a fresh prompt, a prompt with a
+    cached prefix, and a middle chunk of a chunked prefill."""
+    if ON_GPU:
+        return ([(block_size - 1, 1), (block_size, 1), (4095, 1), (777, 1)] + [(int(n), 1) for n in
+                torch.randint(1, 3000, (28,))] + [(0, 1000), (3 * block_size, 517), (1500, 2048)])
+    return [(block_size - 1, 1), (2 * block_size, 1), (127, 1), (150, 1), (0, 70), (2 * block_size, 33),
+            (40, 100), (37, 19)]
+
+
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads,block_size", [
+    (64, 4, 4, 16), (128, 8, 2, 32), (256, 8, 1, 16), (128, 8, 1, 16), (64, 8, 2, 32),
+], ids=["d64-gqa1-bs16", "d128-gqa4-bs32", "d256-gqa8-bs16", "d128-gqa8-bs16", "d64-gqa4-bs32"])
+def test_attention_mixed_batch_matches_reference_fp32(head_size, num_heads, num_kv_heads, block_size):
+    if ON_GPU:
+        num_heads, num_kv_heads = num_heads * 4, num_kv_heads * 4
+    check_attention(mixed_seqs(block_size), num_heads, num_kv_heads, head_size, block_size, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_attention_mixed_batch_matches_reference_half(dtype, head_size):
+    heads = (32, 8) if ON_GPU else (4, 1)
+    block_size = 32 if head_size == 128 else 16
+    check_attention(mixed_seqs(block_size), *heads, head_size, block_size, dtype)
+
+
+@pytest.mark.parametrize("head_size", [48, 96])
+def test_attention_head_size_not_a_power_of_two(head_size):
+    check_attention(mixed_seqs(16), 4, 2, head_size, 16, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_split_k_matches_reference(dtype):
+    """Long contexts split over many partitions, reduced afterwards; short ones leave splits unused."""
+    seqs = [(2000, 1), (5, 1), (1024, 1)] if ON_GPU else [(300, 1), (5, 1), (128, 1)]
+    metadata = check_attention(seqs, 8, 2, 64, 16, dtype, num_sms=64, min_split_tokens=16)
+    num_splits, _ = next(iter(metadata._decode_plans.values()))
+    assert num_splits >= 4
+
+
+def test_decode_only_and_prefill_only_batches():
+    check_attention([(40, 1), (17, 1)], 4, 1, 64, 16, torch.float32)
+    check_attention([(0, 45), (16, 16)], 4, 1, 64, 16, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_profiling_pass_without_cache_is_causal_prefill(dtype):
+    seqs = [(0, 700), (0, 1300)] if ON_GPU else [(0, 70), (0, 9)]
+    common = make_batch(seqs, 16, 64)
+    query, key, value = qkv_views(common.num_tokens, 8, 2, 64, dtype)
+    expected = TorchAttentionBackend.forward(query, key, value, None, common, 0.125, 16)
+    metadata = TritonAttentionBackend.build_metadata(common, 16)
+    assert_matches(TritonAttentionBackend.forward(query, key, value, None, metadata, 0.125, 16), expected, dtype)
+
+
+def test_padding_tokens_with_negative_slots_are_not_written():
+    common = make_batch([(0, 5)], 16, 4)
+    common.slot_mapping[3] = -1
+    query, key, value = qkv_views(5, 4, 2, 64, torch.float32)
+    cache = torch.zeros(TritonAttentionBackend.kv_cache_shape(4, 16, 2, 64), device=DEVICE)
+    TritonAttentionBackend.forward(query, key, value, cache, TritonAttentionBackend.build_metadata(common, 16),
+                                   0.125, 16)
+    assert int((cache[0].flatten(0, 1).abs().sum(dim=(1, 2)) > 0).sum()) == 4
+
+
+# ---- sampling -----------------------------------------------------------------------------------------
+
+def sampling_tensors(temperature, top_k=None, top_p=None, min_p=None, seeds=None) -> SamplingTensors:
+    rows = len(temperature)
+    top_k = top_k or [0] * rows
+    top_p = top_p or [1.0] * rows
+    min_p = min_p or [0.0] * rows
+    seeds = seeds if seeds is not None else list(range(rows))
+    sampling = [t > 0 for t in temperature]
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    return SamplingTensors(
+        temperature=tensor(temperature, torch.float32), top_k=tensor(top_k, torch.int64),
+        top_p=tensor(top_p, torch.float32), min_p=tensor(min_p, torch.float32), seeds=tensor(seeds, torch.int64),
+        seeds_cpu=seeds, all_greedy=not any(sampling),
+        any_top_k=any(k > 0 and s for k, s in zip(top_k, sampling)),
+        any_top_p=any(p < 1 and s for p, s in zip(top_p, sampling)),
+        any_min_p=any(m > 0 and s for m, s in zip(min_p, sampling)))
+
+
+VOCAB = 128256 if ON_GPU else 3000
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = randn(6, VOCAB)
+    t = sampling_tensors([0.0, 0.8, 0.0, 1.0, 0.0, 1.3], top_k=[5, 0, 0, 3, 0, 0])
+    sampled = sample(logits, t)
+    greedy = torch.tensor([True, False, True, False, True, False], device=DEVICE)
+    assert sampled.dtype == torch.int64 and sampled.shape == (6,)
+    assert torch.equal(sampled[greedy], logits.argmax(dim=-1)[greedy])
+    all_greedy = sampling_tensors([0.0] * 6)
+    assert torch.equal(sample(logits, all_greedy), reference_sample(logits, all_greedy))
+
+
+def test_same_seed_and_logits_give_the_same_token():
+    logits = randn(8, VOCAB)
+    t = sampling_tensors([1.0] * 8, seeds=[11, 12, 13, 14, 15, 16, 17, (1 << 63) - 1])
+    assert torch.equal(sample(logits, t), sample(logits, t))
+    other = sampling_tensors([1.0] * 8, seeds=[21, 22, 23, 24, 25, 26, 27, 28])
+    assert not torch.equal(sample(logits, t), sample(logits, other))
+
+
+def test_a_rows_token_does_not_depend_on_the_rest_of_the_batch():
+    row = randn(1, VOCAB)
+    alone = sample(row, sampling_tensors([0.9], top_p=[0.95], seeds=[1234]))
+    companions = randn(5, VOCAB)
+    batch = torch.cat((companions[:3], row, companions[3:]))
+    t = sampling_tensors([1.0, 0.0, 0.5, 0.9, 1.2], top_k=[0, 0, 4, 0, 0], top_p=[1.0, 1.0, 1.0, 0.95, 0.8],
+                         min_p=[0.1, 0.0, 0.0, 0.0, 0.0], seeds=[1, 2, 3, 1234, 5])
+    assert int(sample(batch[:5], t)[3]) == int(alone)
+
+
+@pytest.mark.parametrize("filters", [
+    dict(top_k=[1, 2, 5, 50]), dict(top_p=[0.1, 0.5, 0.9, 0.99]), dict(min_p=[0.05, 0.2, 0.5, 0.9]),
+    dict(top_k=[10, 10, 40, 40], top_p=[0.5, 0.9, 0.5, 0.9], min_p=[0.1, 0.0, 0.3, 0.05]),
+], ids=["top_k", "top_p", "min_p", "all"])
+def test_filtered_tokens_are_never_sampled(filters):
+    num_draws = 64
+    logits = (randn(4, 500) * 3).repeat_interleave(num_draws, dim=0)
+    expanded = {name: [v for v in values for _ in range(num_draws)] for name, values in filters.items()}
+    t = sampling_tensors([0.7] * (4 * num_draws), seeds=list(range(4 * num_draws)), **expanded)
+    allowed = apply_top_k_top_p_min_p(logits / 0.7, t) > float("-inf")
+    sampled = sample(logits, t)
+    assert bool(allowed.gather(1, sampled.unsqueeze(1)).all())
+    assert len(set(sampled.tolist())) > 4  # it does sample
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.5, 0), (1.0, 2)])
+def test_sampling_frequencies_follow_the_distribution(temperature, top_k):
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    num_draws = 20000 if ON_GPU else 4000
+    logits = probs.log().to(DEVICE).expand(num_draws, 4).contiguous()
+    t = sampling_tensors([temperature] * num_draws, top_k=[top_k] * num_draws,
+                         seeds=[(i * 7919 + 17) << 20 for i in range(num_draws)])
+    expected = (probs ** (1 / temperature))
+    if top_k:
+        expected[top_k:] = 0
+    expected = expected / expected.sum()
+    frequencies = torch.bincount(sample(logits, t).cpu(), minlength=4).float() / num_draws
+    tolerance = 5 * (expected * (1 - expected) / num_draws).sqrt() + 1e-3
+    assert bool(((frequencies - expected).abs() <= tolerance).all()), (frequencies, expected)
+
+
+# ---- the backend as the registry sees it ---------------------------------------------------------------
+
+def test_backend_offers_every_op_but_gemm_and_refuses_cpu():
+    assert set(triton_backend.BACKEND.ops) == set(OPS) - {"gemm"}
+    assert triton_backend.BACKEND.attention is TritonAttentionBackend
+    assert triton_backend.available(torch.device("cpu")) is not None
+    if ON_GPU:
+        assert triton_backend.available(torch.device("cuda")) is None
