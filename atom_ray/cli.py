@@ -43,7 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending-requests", type=int, default=256)
     add_engine_arguments(serve)
     serve.set_defaults(handler=run_serve)
+
+    bundle = commands.add_parser("bundle", help="build an offline archive of Ray, Serve and atom-ray for a GPU "
+                                 "host without network access")
+    bundle.add_argument("--out", default="atom-ray-bundle.tar.xz")
+    bundle.add_argument("--python-version", default="3.12", help="the host's Python (default 3.12)")
+    bundle.add_argument("--grpcio-version", required=True, help="the host's grpcio version (pip show grpcio)")
+    bundle.add_argument("--extra", action="append", default=[], help="another requirement to include")
+    bundle.add_argument("--without-project", action="store_true", help="leave atom-ray's own packages out")
+    bundle.set_defaults(handler=run_bundle)
     return parser
+
+
+def run_bundle(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from atom_ray.offline_bundle import build_bundle
+    out = build_bundle(Path(args.out), args.python_version, args.grpcio_version, args.extra, not args.without_project)
+    print(f"{out} ({out.stat().st_size / 2**20:.1f} MiB). On the host: mkdir -p /opt/atom-ray && "
+          f"tar -xJf {out.name} -C /opt/atom-ray && export PYTHONPATH=/opt/atom-ray:$PYTHONPATH")
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -57,6 +57,7 @@ class _Client:
 
 
 class Coordinator:
+    PIPELINE_DEPTH = 2
     def __init__(self, config: EngineConfig, cpus_per_rank: int | None = None,
                  accelerator_type: str | None = None, placement_timeout_s: float = 600.0) -> None:
         logging.basicConfig(level=logging.INFO)
@@ -131,29 +132,35 @@ class Coordinator:
 
     async def _run(self) -> None:
         engine = self.engine
-        in_flight = None  # (plan, ObjectRef) of the step the workers are running
+        in_flight: deque = deque()  # (plan, ObjectRef), oldest first
         try:
             while not self._stopping:
-                if in_flight is None:
-                    plan = engine.schedule_step() if engine.has_unfinished_requests() else None
-                    if plan is None:
-                        self._wake.clear()
-                        await self._wake.wait()
-                        continue
-                    in_flight = (plan, self.executor.execute_async(plan))
-                plan, ref = in_flight
+                self._launch(in_flight)
+                if not in_flight:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                plan, ref = in_flight.popleft()
                 output = await ref
                 updated = engine.update_step(plan, output)
-                # Dispatch the next step before detokenizing this one, so that the host work of
-                # turning tokens into text and stop-string checks hides behind the workers' step.
-                next_plan = engine.schedule_step() if engine.has_unfinished_requests() else None
-                in_flight = (next_plan, self.executor.execute_async(next_plan)) if next_plan else None
+                # Top the pipeline up before detokenizing, so the leader always has its next plan.
+                self._launch(in_flight)
                 self._deliver(engine.process_step(updated, output))
         except Exception as exc:
             logger.exception("engine step loop failed")
             self.error = exc
             for client in self.clients.values():
                 client.ready.set()
+
+    def _launch(self, in_flight: deque) -> None:
+        """Keep PIPELINE_DEPTH plans at the workers. A plan is made before the previous step's tokens
+        are known (the scheduler counts them as pending; the leader's runner already has them), so the
+        leader runs step after step without waiting for a round trip through Ray."""
+        while len(in_flight) < self.PIPELINE_DEPTH and self.engine.scheduler.has_unfinished:
+            plan = self.engine.schedule_step()
+            if plan is None:
+                return
+            in_flight.append((plan, self.executor.execute_async(plan)))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

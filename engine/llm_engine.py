@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 import time
 from typing import Protocol
@@ -19,7 +20,9 @@ from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, eos_ids_from_config
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -32,6 +35,7 @@ class Executor(Protocol):
     def determine_num_kv_blocks(self) -> int: ...
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
+    def execute_async(self, scheduled: SchedulerOutput): ...  # in-process: has .result(); Ray: an ObjectRef
     def shutdown(self) -> None: ...
 
 
@@ -54,8 +58,16 @@ class InProcessExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
+    @property
+    def runs_asynchronously(self) -> bool:
+        """Whether launching a step returns before it finishes (a GPU), so running ahead pays."""
+        return self.runner.uses_cuda
+
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(scheduled)
+
+    def execute_async(self, scheduled: SchedulerOutput):
+        return self.runner.execute_async(scheduled)
 
     def shutdown(self) -> None:
         pass
@@ -77,7 +89,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor_factory=InProcessExecutor, show_progress: bool = True) -> None:
         self.config = config
         self.source = resolve_model(config.model, config.load_format, config.hf_overrides)
-        self.tokenizer = Tokenizer.from_source(self.source, config.tokenizer)
+        self.tokenizer = self._load_tokenizer()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else eos_ids_from_config(self.source))
         self.max_model_len = resolve_max_model_len(config, self.source.hf_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
@@ -87,7 +100,7 @@ class LLMEngine:
                               f"max_num_seqs ({config.max_num_seqs}) so that every running sequence can decode")
         config = dataclasses.replace(config, max_num_batched_tokens=self.max_num_batched_tokens)
         self.executor = executor_factory(config, self.source, self.max_model_len,
-                                         self.tokenizer.eos_token_ids, show_progress=show_progress)
+                                         self.eos_token_ids, show_progress=show_progress)
         num_blocks = self.executor.determine_num_kv_blocks()
         needed = -(-self.max_model_len // config.block_size)
         if num_blocks < needed:
@@ -102,9 +115,19 @@ class LLMEngine:
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_source = random.Random(config.seed)
+        self._run_ahead = getattr(self.executor, "runs_asynchronously", False)
+        self._in_flight = None  # (plan, pending output) of a step launched but not yet collected
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
+
+    def _load_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer; a dummy-weight model from a bare config.json runs without one."""
+        if (self.config.tokenizer is None and self.source.format == "dummy" and self.source.gguf is None
+                and not Tokenizer.has_tokenizer_files(self.source.folder)):
+            logger.warning("no tokenizer in %s: prompts must be token ids, outputs have no text", self.source.folder)
+            return None
+        return Tokenizer.from_source(self.source, self.config.tokenizer)
 
     # ---- requests ---------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -121,6 +144,9 @@ class LLMEngine:
             else:
                 raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer (dummy weights from a bare config); "
+                                          "send prompts as token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.source.hf_config.vocab_size
@@ -158,7 +184,7 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, token_ids, samples, arrival_time)
         for sample_id, sample_params in samples.items():
             self.scheduler.add_request(Request(sample_id, token_ids, sample_params, max_tokens,
-                                               self.tokenizer.eos_token_ids, arrival_time))
+                                               self.eos_token_ids, arrival_time))
         self.num_prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -169,17 +195,37 @@ class LLMEngine:
         return final
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # ---- the loop -----------------------------------------------------------------------------------
     # A step is three phases, so that a distributed coordinator can dispatch step N+1 to the workers
     # before it detokenizes step N: schedule_step -> (executor) -> update_step -> process_step.
     def step(self) -> list[RequestOutput]:
-        scheduled = self.schedule_step()
-        if scheduled is None:
-            return []
-        output = self.executor.execute(scheduled)
-        return self.process_step(self.update_step(scheduled, output), output)
+        if not self._run_ahead:
+            scheduled = self.schedule_step()
+            if scheduled is None:
+                return []
+            output = self.executor.execute(scheduled)
+            return self.process_step(self.update_step(scheduled, output), output)
+        # On a GPU: launch step N+1, then collect step N, so the host's work (scheduling, input
+        # preparation, detokenization) overlaps the device's. Requests that need every token on the
+        # host before the next step (penalties, logprobs) make it synchronous while they run.
+        launched = None
+        if self._in_flight is None or self._can_run_ahead():
+            scheduled = self.schedule_step()
+            if scheduled is not None:
+                launched = (scheduled, self.executor.execute_async(scheduled))
+        outputs = []
+        if self._in_flight is not None:
+            scheduled, pending = self._in_flight
+            output = pending.result()
+            outputs = self.process_step(self.update_step(scheduled, output), output)
+        self._in_flight = launched
+        return outputs
+
+    def _can_run_ahead(self) -> bool:
+        return not any(p.has_penalties or p.logprobs is not None or p.prompt_logprobs is not None
+                       for p in (r.sampling_params for r in self.scheduler.requests.values()))
 
     def schedule_step(self) -> SchedulerOutput | None:
         """The next step plan, or None when there is nothing for the runners to do."""

@@ -29,6 +29,11 @@ class Tokenizer:
                 raise ModelSourceError(f"no usable tokenizer in {source.folder}: {exc}") from exc
         return cls(hf, _eos_ids(hf, source))
 
+    @classmethod
+    def has_tokenizer_files(cls, folder) -> bool:
+        return any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                              "tokenizer.model", "vocab.json"))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
@@ -57,6 +62,10 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
+def eos_ids_from_config(source: ModelSource) -> set[int]:
+    return _eos_ids(None, source)
+
+
 def _eos_ids(hf_tokenizer, source: ModelSource) -> set[int]:
     ids: set[int] = set()
 
@@ -66,7 +75,8 @@ def _eos_ids(hf_tokenizer, source: ModelSource) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
 
-    add(hf_tokenizer.eos_token_id)
+    if hf_tokenizer is not None:
+        add(hf_tokenizer.eos_token_id)
     add(getattr(source.hf_config, "eos_token_id", None))
     generation_config = Path(source.folder) / "generation_config.json"
     if source.gguf is None and generation_config.is_file():

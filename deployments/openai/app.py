@@ -2,6 +2,8 @@
 It keeps no global state and starts no loop, so Ray Serve can mount it and a process can build several."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -48,7 +50,8 @@ def build_openai_app(client, served_model_name: str, max_pending_requests: int =
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
-            stats = await resolve(client.stats())
+            # In a thread: the in-process engine's stats() waits for the running step to end.
+            stats = await resolve(await asyncio.to_thread(client.stats))
         except Exception:  # a dead engine still gets its app-side metrics scraped
             stats = {}
         body, content_type = ctx.metrics.render(stats)

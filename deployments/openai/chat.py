@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import Request
@@ -20,6 +20,7 @@ from .serving import DONE_EVENT, ChoiceProgress, OutputStream, ServingContext, e
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
+    arrival_time = time.monotonic()
     await ctx.check_ready(body.model)
     messages = [message.to_template_dict() for message in body.messages]
     try:
@@ -33,7 +34,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                       "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
     response = _ChatResponder(ctx, body, len(token_ids), f"chatcmpl-{uuid.uuid4().hex}")
-    return await ctx.run(raw_request, [token_ids], params, response.id, body.stream, response.full,
+    return await ctx.run(raw_request, arrival_time, [token_ids], params, response.id, body.stream, response.full,
                          response.events)
 
 
@@ -59,8 +60,9 @@ class _ChatResponder:
                               finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
                    for completion in output.outputs]
         num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        usage = UsageInfo.of(self.num_prompt_tokens, num_completion_tokens)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
-                                      choices=choices, usage=UsageInfo.of(self.num_prompt_tokens, num_completion_tokens))
+                                      choices=choices, usage=usage)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         return sse_event(ChatCompletionChunk(id=self.id, created=self.created, model=self.ctx.served_model_name,

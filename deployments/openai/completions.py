@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -25,6 +25,7 @@ class _Prompt:
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Response:
+    arrival_time = time.monotonic()
     await ctx.check_ready(body.model)
     prompts = [_tokenize(ctx, prompt, body.max_tokens) for prompt in body.prompts]
     if body.echo:
@@ -34,7 +35,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     echo_logprobs = body.logprobs if body.echo else None
     params = body.to_sampling_params(body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
     response = _CompletionResponder(ctx, body, prompts, f"cmpl-{uuid.uuid4().hex}")
-    return await ctx.run(raw_request, [p.token_ids for p in prompts], params, response.id, body.stream,
+    return await ctx.run(raw_request, arrival_time, [p.token_ids for p in prompts], params, response.id, body.stream,
                          response.full, response.events)
 
 
@@ -48,6 +49,13 @@ def _tokenize(ctx: ServingContext, prompt: str | list[int], max_tokens: int | No
         raise bad_request("The prompt is empty; send at least one token", "prompt")
     ctx.check_context(len(result.token_ids), max_tokens, "prompt")
     return result
+
+
+def _prompt_positions(prompt_logprobs: list | None, num_prompt_tokens: int) -> list:
+    """One entry per prompt token. The engine's list starts with None (the first token has no context) and
+    then scores only the tokens it computed: after a prefix-cache hit, the tail. Unscored tokens get None."""
+    scored = (prompt_logprobs or [None])[1:]
+    return [None] * (num_prompt_tokens - len(scored)) + scored
 
 
 class _CompletionResponder:
@@ -67,8 +75,7 @@ class _CompletionResponder:
     def _echo(self, builder: CompletionLogprobsBuilder | None, prompt: _Prompt, output: RequestOutput) -> str:
         """The prompt's text, and its logprobs into `builder`, for a choice that echoes it."""
         if builder is not None:
-            positions = output.prompt_logprobs or [None] * len(prompt.token_ids)
-            builder.extend(positions, prompt.token_ids)
+            builder.extend(_prompt_positions(output.prompt_logprobs, len(prompt.token_ids)), prompt.token_ids)
         return prompt.text
 
     def full(self, finals: list[RequestOutput]) -> CompletionResponse:

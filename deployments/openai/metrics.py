@@ -85,17 +85,14 @@ class AppMetrics:
         self._engine_stats.stats = engine_stats
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def timer(self) -> "RequestTimer":
-        return RequestTimer(self)
-
 
 class RequestTimer:
     """Latencies of one engine request, observed as its outputs arrive."""
     __slots__ = ("metrics", "start", "last")
 
-    def __init__(self, metrics: AppMetrics) -> None:
+    def __init__(self, metrics: AppMetrics, arrival_time: float) -> None:
         self.metrics = metrics
-        self.start = time.monotonic()
+        self.start = arrival_time  # time.monotonic() when the HTTP request arrived
         self.last: float | None = None
 
     def on_output(self, finished: bool) -> None:

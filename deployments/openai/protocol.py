@@ -3,7 +3,7 @@ engine's SamplingParams. Requests are strict (no "5" for 5) and ignore fields th
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -24,26 +24,26 @@ class StreamOptions(_StrictRequest):
 
 class _GenerationRequest(_StrictRequest):
     """Fields shared by completions and chat completions, OpenAI's and vLLM's extras."""
-    model: Optional[str] = None
+    model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    user: Optional[str] = None
+    user: str | None = None
     # Known OpenAI fields the engine cannot honour: refused when set, rather than silently ignored.
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: dict[str, float] | None = None
     # vLLM's extras (the openai client sends them through `extra_body`).
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -58,21 +58,21 @@ class _GenerationRequest(_StrictRequest):
 
     @field_validator("stop_token_ids")
     @classmethod
-    def _token_ids_are_non_negative(cls, value: Optional[list[int]]) -> Optional[list[int]]:
+    def _token_ids_are_non_negative(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and any(t < 0 for t in value):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return value
 
     @field_validator("stream_options")
     @classmethod
-    def _stream_options_need_stream(cls, value: Optional[StreamOptions], info: ValidationInfo):
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
         if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: Optional[dict[str, float]]):
+    def _no_logit_bias(cls, value: dict[str, float] | None):
         if value:
             raise ValueError("logit_bias is not supported by this server")
         return value
@@ -107,16 +107,16 @@ class _GenerationRequest(_StrictRequest):
         )
 
 
-PromptInput = Union[str, list[int], list[str], list[list[int]]]
+PromptInput = str | list[int] | list[str] | list[list[int]]
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: PromptInput
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1)
-    suffix: Optional[str] = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -134,20 +134,20 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, value: Optional[int], info: ValidationInfo):
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo):
         if value is not None and value != info.data.get("n", 1):
             raise ValueError("best_of is not supported (only best_of equal to n)")
         return value
 
     @field_validator("suffix")
     @classmethod
-    def _no_suffix(cls, value: Optional[str]):
+    def _no_suffix(cls, value: str | None):
         if value:
             raise ValueError("suffix is not supported by this server")
         return value
 
     @property
-    def prompts(self) -> list[Union[str, list[int]]]:
+    def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each a string or a list of token ids."""
         prompt = self.prompt
         if isinstance(prompt, str) or isinstance(prompt[0], int):
@@ -162,8 +162,8 @@ class TextContentPart(_StrictRequest):
 
 class ChatMessage(_StrictRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextContentPart], None] = None
-    name: Optional[str] = None
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -188,30 +188,30 @@ class ChatMessage(_StrictRequest):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs_need_logprobs(cls, value: Optional[int], info: ValidationInfo):
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
         return value
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: Optional[list[Any]]):
+    def _no_tools(cls, value: list[Any] | None):
         if value:
             raise ValueError("tools are not supported by this server")
         return value
 
     @field_validator("response_format")
     @classmethod
-    def _text_format_only(cls, value: Optional[dict[str, Any]]):
+    def _text_format_only(cls, value: dict[str, Any] | None):
         if value is not None and value.get("type", "text") != "text":
             raise ValueError("only response_format {'type': 'text'} is supported by this server")
         return value
@@ -229,8 +229,8 @@ class ChatCompletionRequest(_GenerationRequest):
 class ErrorInfo(BaseModel):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):
@@ -243,24 +243,24 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens)
 
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 def _now() -> int:
@@ -273,13 +273,13 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class TokenLogprob(TopLogprob):
@@ -287,22 +287,22 @@ class TokenLogprob(TopLogprob):
 
 
 class ChatLogprobs(BaseModel):
-    content: Optional[list[TokenLogprob]] = None
-    refusal: Optional[list[TokenLogprob]] = None
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-    refusal: Optional[str] = None
+    content: str | None = None
+    refusal: str | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -311,20 +311,20 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class DeltaMessage(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
+    role: Literal["assistant"] | None = None
+    content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -333,7 +333,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -343,7 +343,7 @@ class CompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
@@ -351,8 +351,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "atom-ray"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

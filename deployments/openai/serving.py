@@ -3,11 +3,11 @@ prompt length), and running the engine requests as a JSON response or as a serve
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -83,8 +83,8 @@ class ServingContext:
                 raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
                                   "prompt")
 
-    async def run(self, raw_request: Request, prompts: list[list[int]], params: SamplingParams,
-                  response_id: str, stream: bool,
+    async def run(self, raw_request: Request, arrival_time: float, prompts: list[list[int]],
+                  params: SamplingParams, response_id: str, stream: bool,
                   respond: Callable[[list[RequestOutput]], BaseModel],
                   stream_events: Callable[[OutputStream], AsyncIterator[str]]) -> Response:
         """Send the prompts to the engine. Non-streaming: `respond(final outputs, one per prompt)` becomes
@@ -92,12 +92,12 @@ class ServingContext:
         here so that a request the engine refuses still gets an error status rather than a broken stream."""
         ticket = self.admission.admit()
         request_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
-        engine = EngineRequests(self.client, prompts, params, request_ids, self.metrics)
+        engine = EngineRequests(self.client, prompts, params, request_ids, self.metrics, arrival_time)
         handed_to_stream = False
         try:
             if not stream:
                 finals = await until_disconnected(raw_request, _final_outputs(engine, len(prompts)))
-                return JSONResponse(respond(finals).model_dump(mode="json"))
+                return Response(respond(finals).model_dump_json(), media_type="application/json")
             outputs = engine.outputs()
 
             async def first_output() -> tuple[int, RequestOutput]:

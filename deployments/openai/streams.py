@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -22,12 +23,8 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was complete."""
 
 
-def call_maybe_async(value: Any) -> Any:
-    """A client attribute that may be a value, a method, or a coroutine method (the Ray client's are remote)."""
-    return value() if callable(value) else value
-
-
 async def resolve(value: Any) -> Any:
+    """A client's answer, whether the client returned it or an awaitable of it (a remote call)."""
     return await value if inspect.isawaitable(value) else value
 
 
@@ -38,7 +35,7 @@ class Admission:
         self.max_pending_requests = max_pending_requests
         self.in_flight = 0
 
-    def admit(self) -> "Ticket":
+    def admit(self) -> Ticket:
         if self.in_flight >= self.max_pending_requests:
             raise too_many_requests(self.in_flight)
         self.in_flight += 1
@@ -62,13 +59,13 @@ class EngineRequests:
     arrival order; `close()` aborts the unfinished ones so their KV blocks are freed."""
 
     def __init__(self, client, prompts: list[list[int]], params: SamplingParams, request_ids: list[str],
-                 metrics: AppMetrics) -> None:
+                 metrics: AppMetrics, arrival_time: float) -> None:
         self.client = client
         self.prompts = prompts
         self.params = params
         self.request_ids = request_ids
         self.unfinished = set(range(len(prompts)))
-        self.timers = [metrics.timer() for _ in prompts]
+        self.timers = [RequestTimer(metrics, arrival_time) for _ in prompts]
         self.metrics = metrics
         self._generators: list = []
         self._tasks: list[asyncio.Task] = []
@@ -121,8 +118,8 @@ class EngineRequests:
                 yield index, item
 
     async def close(self) -> None:
-        """Abort what has not finished. Safe to call more than once and from a cancelled task: nothing here
-        waits on the engine."""
+        """Abort what has not finished. Safe to call more than once and from a cancelled task (it awaits
+        nothing that the engine could hold up)."""
         for task in self._tasks:
             task.cancel()
         for index in sorted(self.unfinished):

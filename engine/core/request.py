@@ -33,6 +33,7 @@ class Request:
 
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_pending_tokens: int = 0  # tokens being sampled by launched steps, not yet appended
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks, in order
     num_cached_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
@@ -63,7 +64,13 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Including the pending tokens: a step launched ahead feeds them from the device."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def will_finish_by_length(self) -> bool:
+        """Its pending tokens already reach max_tokens: scheduling it again would be wasted work."""
+        return self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -82,7 +82,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_tokens_to_compute, budget)
-            if num_tokens == 0:
+            if num_tokens == 0 or request.will_finish_by_length:
                 index += 1
                 continue
             num_old_blocks = len(request.block_ids)
@@ -103,6 +103,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_pending_tokens:  # preempted while a launched step samples for it
+                break
             cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_tokens = request.num_tokens - num_cached_tokens
@@ -126,7 +128,10 @@ class Scheduler:
             budget -= num_tokens
 
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1  # this step samples its next token
         return out
 
     def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
@@ -139,8 +144,9 @@ class Scheduler:
         updated = []
         for request_id, token_id in zip(output.request_ids, output.sampled_token_ids):
             request = self.requests.get(request_id)
-            if request is None:  # aborted while the step ran
+            if request is None:  # finished or aborted while the step ran
                 continue
+            request.num_pending_tokens -= 1
             request.append_token(token_id)
             updated.append(request)
             status, reason = self._check_stop(request, token_id)

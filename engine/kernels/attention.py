@@ -28,6 +28,9 @@ class CommonAttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str = ""
+    # Whether a decode step can be captured in a CUDA graph: launches must depend only on device tensors
+    # and on metadata captured at max_model_len.
+    supports_cuda_graphs: bool = False
 
     @staticmethod
     @abstractmethod

@@ -8,6 +8,7 @@ import torch
 
 @dataclass
 class SamplingTensors:
+    """When `all_greedy`, the tensors are None: argmax needs nothing else."""
     temperature: torch.Tensor  # [B] float32; 0 means greedy
     top_k: torch.Tensor  # [B] int64; 0 means no top-k
     top_p: torch.Tensor  # [B] float32; 1 means no top-p

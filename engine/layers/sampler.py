@@ -38,6 +38,8 @@ class Sampler(nn.Module):
 
 def sampling_tensors(batch: SamplingBatch, device: torch.device) -> SamplingTensors:
     params = batch.params
+    if all(p.temperature == 0 for p in params):  # greedy: the kernels need nothing but the logits
+        return SamplingTensors(None, None, None, None, None, batch.step_seeds, True, False, False, False)
     temperature = [p.temperature for p in params]
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]

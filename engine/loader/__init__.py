@@ -1,6 +1,7 @@
 """Builds a model shard on its device and fills its weights (checkpoint, GGUF or random)."""
 from __future__ import annotations
 
+import zlib
 from contextlib import contextmanager
 
 import torch
@@ -30,7 +31,8 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
         model = model_class(source.hf_config)
     model.eval()
     if source.format == "dummy":
-        fill_dummy_weights(model, seed)
+        names_and_shapes = dummy_checkpoint_layout(source.hf_config)
+        load_weights(model, dummy_checkpoint(names_and_shapes, device, seed), len(names_and_shapes), show_progress)
     elif source.format == "gguf":
         load_weights(model, source.gguf.iter_weights(), source.gguf.num_tensors, show_progress)
     else:
@@ -84,14 +86,23 @@ def load_weights(model: nn.Module, weights, total: int | None = None, show_progr
         raise ModelSourceError(f"checkpoint lacks weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
 
 
-def fill_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights with realistic scales: N(0, 0.02) matrices, unit norms, zero biases."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+def dummy_checkpoint_layout(hf_config) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the checkpoint transformers would write for this config (no memory used)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(hf_config)
+    return [(name, tuple(tensor.shape)) for name, tensor in reference.state_dict().items()]
+
+
+def dummy_checkpoint(layout, device: torch.device, seed: int):
+    """A random checkpoint: N(0, 0.02) matrices, unit norm weights, zero biases. Each tensor is drawn from
+    a generator seeded by its name, so every tensor-parallel layout shards the same model."""
+    generator = torch.Generator(device=device)
+    for name, shape in layout:
+        if "norm" in name:
+            yield name, torch.ones(shape, device=device)
+        elif name.endswith("bias"):
+            yield name, torch.zeros(shape, device=device)
+        else:
+            generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            yield name, torch.empty(shape, device=device).normal_(0.0, 0.02, generator=generator)

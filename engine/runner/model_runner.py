@@ -1,9 +1,12 @@
 """One rank's model runner: loads the model shard, owns the KV cache, keeps per-request state between
-steps, turns a step plan into model inputs, runs the model and samples."""
+steps, turns a step plan into model inputs, runs the model and samples.
+
+`execute_async` launches a step and returns at once with a PendingOutput; the sampled ids travel to the
+host in the background, so the caller can plan (and launch) the next step before they arrive.
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,32 +21,38 @@ from engine.layers.attention import Attention
 from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
 from engine.loader import ModelSource, build_model
 from engine.parallel import get_parallel_state
+from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.device import resolve_dtype
+from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import kv_cache_budget_bytes
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _RunnerRequest:
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
+class PendingOutput:
+    """A launched step. `result()` waits for its sampled ids, records them in the runner's request
+    state, and returns the RunnerOutput (None on non-leader ranks)."""
 
+    def __init__(self, runner: "ModelRunner", output: RunnerOutput, requests: list[RunnerRequest],
+                 sampled_host: torch.Tensor | None, event) -> None:
+        self._runner, self._output, self._requests = runner, output, requests
+        self._sampled_host, self._event = sampled_host, event
+        self._result: RunnerOutput | None = None
+        self._done = False
 
-@dataclass
-class _StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: object
-    logits_indices: torch.Tensor  # hidden-state rows that sample
-    sampling_requests: list[_RunnerRequest]
-    # request -> (hidden rows, target token ids) for prompt logprobs computed this step
-    prompt_logprob_rows: dict[str, tuple[list[int], list[int]]]
+    def result(self) -> RunnerOutput | None:
+        if not self._done:
+            self._done = True
+            if self._sampled_host is not None:
+                if self._event is not None:
+                    self._event.synchronize()
+                ids = self._sampled_host.tolist()
+                self._output.sampled_token_ids = ids
+                for request, token_id in zip(self._requests, ids):
+                    request.token_ids.append(token_id)
+                    request.num_pending -= 1
+            self._result = self._output if self._runner.is_driver else None
+        return self._result
 
 
 class ModelRunner:
@@ -61,13 +70,19 @@ class ModelRunner:
         self.model = build_model(source, self.dtype, device, config.seed, show_progress)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
-        self.requests: dict[str, _RunnerRequest] = {}
+        self.requests: dict[str, RunnerRequest] = {}
         self.is_driver = get_parallel_state().tp_rank == 0
         self.num_kv_blocks = 0
+        self.graphs: DecodeGraphs | None = None
+        self._last_sampled: torch.Tensor | None = None  # device ids of the latest step, for pending tokens
         logger.info("model loaded: %s, dtype %s, device %s, kernels %s", type(self.model).__name__,
                     self.dtype, device, self.kernel_backend.name)
 
-    # ---- KV cache ---------------------------------------------------------------------------------
+    @property
+    def uses_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    # ---- KV cache and graphs ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         total = 0
@@ -81,7 +96,7 @@ class ModelRunner:
         capped at what max_num_seqs full-length sequences could ever use."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
+        if self.uses_cuda and self.config.kv_cache_memory_bytes is None:
             self.profile_run()
         budget = kv_cache_budget_bytes(self.config, self.device)
         blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -89,20 +104,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """A forward pass over a worst-case batch, so that the peak activation memory is known."""
+        """A forward pass over a worst-case batch (no cache yet), so that the activation peak is known."""
         num_tokens = min(self.config.max_num_batched_tokens or 8192, self.max_model_len * self.config.max_num_seqs)
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         starts = np.concatenate(([0], np.cumsum(lens))).tolist()
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        metadata = self._attention_metadata(0, starts, lens, [0] * num_seqs, [[]] * num_seqs,
-                                            torch.zeros(num_tokens, dtype=torch.int64))
+        metadata = self._attention_metadata(0, starts, lens, [0] * num_seqs, np.zeros((num_seqs, 1), np.int32),
+                                            np.zeros(num_tokens, np.int64))
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         with forward_context(metadata, self.block_size):
             hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden[torch.tensor(starts[1:], device=self.device) - 1])
-        del hidden, logits
+        self.model.compute_logits(hidden[torch.tensor(starts[1:], device=self.device) - 1])
+        del hidden
         torch.cuda.synchronize(self.device)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -111,40 +126,69 @@ class ModelRunner:
             shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN.
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs:
+            graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size, self.max_model_len,
+                                  self.config.max_num_seqs, self.device)
+            try:
+                graphs.capture()
+                self.graphs = graphs
+            except RuntimeError as exc:  # e.g. a collective library that cannot be captured
+                logger.warning("decode graph capture failed, running eagerly: %s", exc)
+                torch.cuda.synchronize(self.device)
 
-    # ---- one step -----------------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- one step -------------------------------------------------------------------------------------
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:
+        return self.execute_async(scheduled).result()
+
+    @torch.inference_mode()
+    def execute_async(self, scheduled: SchedulerOutput) -> PendingOutput:
         self._update_states(scheduled)
         if scheduled.is_empty:
-            return RunnerOutput() if self.is_driver else None
-        inputs = self._prepare_inputs(scheduled)
-        with forward_context(inputs.attn_metadata, self.block_size):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            return PendingOutput(self, RunnerOutput(), [], None, None)
+        host = prepare_host_inputs(self.requests, scheduled.num_scheduled_tokens, self.block_size)
+        hidden = self._forward(host)
         output = RunnerOutput()
-        if inputs.sampling_requests:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            batch = self._sampling_batch(inputs.sampling_requests)
-            sampled, logprobs = self.sampler(logits, batch)
-            sampled_ids = sampled.tolist()
-            for row, (request, token_id) in enumerate(zip(inputs.sampling_requests, sampled_ids)):
-                request.token_ids.append(token_id)
+        sampled_host, event = None, None
+        if host.sampling_requests:
+            logits = self.model.compute_logits(hidden[self._to_device(np.asarray(host.logits_indices))])
+            sampled, logprobs = self.sampler(logits, self._sampling_batch(host.sampling_requests))
+            self._last_sampled = sampled
+            for row, request in enumerate(host.sampling_requests):
+                request.num_pending += 1
+                request.pending_row = row
                 output.request_ids.append(request.request_id)
                 if logprobs is not None and request.params.logprobs is not None:
                     output.logprobs[request.request_id] = _slice_logprobs(logprobs, row, request.params.logprobs)
-            output.sampled_token_ids = sampled_ids
-        for request_id, (rows, targets) in inputs.prompt_logprob_rows.items():
+            sampled_host, event = self._to_host(sampled)
+        for request_id, (rows, targets) in host.prompt_logprob_rows.items():
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             num_top = self.requests[request_id].params.prompt_logprobs
             output.prompt_logprobs[request_id] = compute_logprobs(
                 logits, torch.tensor(targets, device=self.device), num_top)
-        return output if self.is_driver else None
+        return PendingOutput(self, output, host.sampling_requests, sampled_host, event)
+
+    def _forward(self, host: HostInputs) -> torch.Tensor:
+        input_ids = self._to_device(host.input_ids)
+        if host.pending_positions:
+            assert self._last_sampled is not None
+            input_ids[self._to_device(np.asarray(host.pending_positions))] = \
+                self._last_sampled[self._to_device(np.asarray(host.pending_rows))]
+        positions = self._to_device(host.positions)
+        batch = len(host.requests)
+        if self.graphs is not None and host.is_decode_only and batch <= self.graphs.max_batch:
+            return self.graphs.run(batch, input_ids, positions, self._to_device(host.slot_mapping),
+                                   self._to_device(np.asarray(host.seq_lens, dtype=np.int32)),
+                                   self._to_device(host.block_table))
+        metadata = self._attention_metadata(host.num_decodes, host.query_start_loc, host.seq_lens,
+                                            host.num_computed, host.block_table, host.slot_mapping)
+        with forward_context(metadata, self.block_size):
+            return self.model(input_ids, positions)
 
     def _update_states(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in scheduled.new_requests:
-            self.requests[new.request_id] = _RunnerRequest(
+            self.requests[new.request_id] = RunnerRequest(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens)
         for cached in scheduled.cached_requests:
@@ -154,60 +198,32 @@ class ModelRunner:
                 f"{request.num_computed_tokens} != {cached.num_computed_tokens}")
             request.block_ids.extend(cached.new_block_ids)
 
-    def _prepare_inputs(self, scheduled: SchedulerOutput) -> _StepInputs:
-        counts = scheduled.num_scheduled_tokens
-        # Single-token sequences first: attention backends batch them as decodes.
-        order = sorted(counts, key=lambda request_id: counts[request_id] != 1)
-        num_decodes = sum(1 for request_id in order if counts[request_id] == 1)
-        input_ids, positions, slots = [], [], []
-        starts, seq_lens, computed, block_tables = [0], [], [], []
-        logits_indices, sampling_requests, prompt_rows = [], [], {}
-        size = self.block_size
-        for request_id in order:
-            request, n = self.requests[request_id], counts[request_id]
-            start = request.num_computed_tokens
-            input_ids.extend(request.token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(np.asarray(request.block_ids, dtype=np.int64)[pos // size] * size + pos % size)
-            computed.append(start)
-            seq_lens.append(start + n)
-            block_tables.append(request.block_ids)
-            if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-                last = min(start + n, request.num_prompt_tokens - 1)
-                rows = list(range(starts[-1], starts[-1] + last - start))
-                prompt_rows[request_id] = (rows, request.token_ids[start + 1:last + 1])
-            starts.append(starts[-1] + n)
-            if start + n == len(request.token_ids):
-                logits_indices.append(starts[-1] - 1)
-                sampling_requests.append(request)
-            request.num_computed_tokens += n
-        device = self.device
-        metadata = self._attention_metadata(num_decodes, starts, seq_lens, computed, block_tables,
-                                            torch.from_numpy(np.concatenate(slots)))
-        return _StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
-            positions=torch.from_numpy(np.concatenate(positions)).to(device, non_blocking=True),
-            attn_metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(device, non_blocking=True),
-            sampling_requests=sampling_requests,
-            prompt_logprob_rows=prompt_rows,
-        )
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.uses_cuda:
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
 
-    def _attention_metadata(self, num_decodes, starts, seq_lens, computed, block_tables, slot_mapping):
-        device = self.device
-        max_blocks = max((len(b) for b in block_tables), default=0)
-        table = np.zeros((len(block_tables), max(max_blocks, 1)), dtype=np.int32)
-        for row, blocks in enumerate(block_tables):
-            table[row, :len(blocks)] = blocks
+    def _to_host(self, tensor: torch.Tensor):
+        """A pinned host copy that completes in the background, and the event marking its completion."""
+        if not self.uses_cuda:
+            return tensor, None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _attention_metadata(self, num_decodes, starts, seq_lens, computed, block_table: np.ndarray,
+                            slot_mapping: np.ndarray):
         common = CommonAttentionMetadata(
             num_seqs=len(seq_lens),
             num_decodes=num_decodes,
             num_tokens=starts[-1],
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            block_table=torch.from_numpy(table).to(device, non_blocking=True),
-            slot_mapping=slot_mapping.to(device, non_blocking=True),
+            query_start_loc=self._to_device(np.asarray(starts, dtype=np.int32)),
+            seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
+            block_table=self._to_device(block_table),
+            slot_mapping=self._to_device(slot_mapping),
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
@@ -216,11 +232,11 @@ class ModelRunner:
         )
         return self.attn_backend.build_metadata(common, self.block_size)
 
-    def _sampling_batch(self, requests: list[_RunnerRequest]) -> SamplingBatch:
+    def _sampling_batch(self, requests: list[RunnerRequest]) -> SamplingBatch:
         params, seeds, prompts, outputs, suppressed = [], [], [], [], []
         for request in requests:
             p = request.params
-            num_outputs = len(request.token_ids) - request.num_prompt_tokens
+            num_outputs = request.num_output_tokens  # pending tokens count: seeds match synchronous runs
             params.append(p)
             seeds.append(step_seed(p.seed or 0, num_outputs))
             needs_history = p.has_penalties

@@ -33,3 +33,15 @@ def test_tp2_matches_single_process_on_smollm2_with_uneven_head_split(ray_cluste
         assert "Paris" in outputs[0].text
     finally:
         engine.shutdown()
+
+
+def test_dummy_weights_are_one_model_whatever_the_tp_layout(ray_cluster, tiny_model_dirs):
+    """Random weights are a seeded checkpoint sharded like a real one, so TP benchmarks compare like with like."""
+    folder = str(tiny_model_dirs["qwen2"])
+    args = dict(dtype="float32", load_format="dummy", seed=3)
+    expected = [o.token_ids for o in LLM(folder, show_progress=False, **args).generate(PROMPTS, GREEDY)]
+    engine = atom_ray.start(folder, tensor_parallel_size=2, **args)
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == expected
+    finally:
+        engine.shutdown()

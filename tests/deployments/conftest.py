@@ -60,9 +60,34 @@ def serve(app):
         sock.close()
 
 
+class FairLock:
+    """A first-come-first-served lock. AsyncLLM's step loop releases its plain lock and takes it straight
+    back, so a caller of generate/abort/stats can wait through many steps (measured: up to 15 s on 2 cores),
+    which made abort-on-disconnect timing random. Until AsyncLLM hands callers a turn (see the HTTP layer's
+    report), these tests give its lock one that does, so that they test the HTTP layer and not that race."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition(threading.Lock())
+        self._next_ticket = 0
+        self._now_serving = 0
+
+    def __enter__(self) -> FairLock:
+        with self._condition:
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._condition.wait_for(lambda: self._now_serving == ticket)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        with self._condition:
+            self._now_serving += 1
+            self._condition.notify_all()
+
+
 @pytest.fixture(scope="session")
 def engine():
     llm = AsyncLLM.from_config(EngineConfig("smollm2-135m"))
+    if type(getattr(llm, "_lock", None)) is type(threading.Lock()):
+        llm._lock = FairLock()  # swapped while idle: the step loop looks the lock up on every iteration
     yield llm
     llm.shutdown()
 
@@ -70,6 +95,13 @@ def engine():
 @pytest.fixture(scope="session")
 def server(engine):
     with serve(build_openai_app(engine, SERVED_MODEL)) as served:
+        yield served
+
+
+@pytest.fixture
+def limited_server(engine):
+    """A second app on the same engine that lets one generation request in at a time."""
+    with serve(build_openai_app(engine, SERVED_MODEL, max_pending_requests=1)) as served:
         yield served
 
 
@@ -82,6 +114,8 @@ class ControllableClient:
         self.max_model_len = engine.max_model_len
         self.healthy = True
         self.failure: BaseException | None = None  # raised by generate() for every request while set
+        self.failure_after_first_output: BaseException | None = None
+        self.abort_times: dict[str, float] = {}  # request id -> when the app asked to abort it
 
     @property
     def is_healthy(self) -> bool:
@@ -92,8 +126,11 @@ class ControllableClient:
             raise self.failure
         async for output in self.engine.generate(prompt, params, request_id):
             yield output
+            if self.failure_after_first_output is not None:
+                raise self.failure_after_first_output
 
     def abort(self, request_id: str) -> None:
+        self.abort_times.setdefault(request_id, time.monotonic())
         self.engine.abort(request_id)
 
     def stats(self) -> dict:
@@ -107,7 +144,7 @@ def controllable(engine):
         yield client, served
 
 
-def wait_until_engine_idle(engine: AsyncLLM, timeout: float = 10.0) -> dict:
+def wait_until_engine_idle(engine: AsyncLLM, timeout: float = 30.0) -> dict:
     """Poll until no request runs or waits and every KV block is free; returns the last stats."""
     deadline = time.monotonic() + timeout
     while True:

@@ -78,3 +78,18 @@ def test_too_small_kv_cache_for_max_model_len_is_refused(llama_dir):
     from engine import ConfigError
     with pytest.raises(ConfigError, match="fewer than one sequence"):
         LLM(str(llama_dir), num_kv_blocks=4, max_model_len=512, show_progress=False)
+
+
+def test_launching_steps_ahead_gives_the_synchronous_tokens(llama_dir):
+    """The GPU loop plans step N+1 before step N's tokens reach the host; forced on here (on CPU the
+    launch is synchronous, but the bookkeeping of pending tokens is the same)."""
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=11, max_model_len=176, show_progress=False)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=20 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params[1] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[7])
+    synchronous = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    llm.engine._run_ahead = True
+    preemptions_before = llm.engine.stats()["num_preemptions"]
+    ahead = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in ahead] == synchronous
+    assert llm.engine.stats()["num_preemptions"] > preemptions_before  # pending tokens survive preemption
+    _assert_all_blocks_free(llm)

@@ -249,6 +249,7 @@ def _tile_sizes(head_size: int, element_size: int) -> tuple[int, int, int]:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     @staticmethod
     def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):

@@ -227,7 +227,7 @@ def test_decode_only_and_prefill_only_batches():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_profiling_pass_without_cache_is_causal_prefill(dtype):
     seqs = [(0, 700), (0, 1300)] if ON_GPU else [(0, 70), (0, 9)]
-    common = make_batch(seqs, 16, 64)
+    common = make_batch(seqs, 16, 256)
     query, key, value = qkv_views(common.num_tokens, 8, 2, 64, dtype)
     expected = TorchAttentionBackend.forward(query, key, value, None, common, 0.125, 16)
     metadata = TritonAttentionBackend.build_metadata(common, 16)

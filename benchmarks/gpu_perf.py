@@ -1,0 +1,249 @@
+"""GPU benchmarks at real model shapes with random weights (benchmarks/configs/*, load_format="dummy").
+
+    python -m benchmarks.gpu_perf latency    [--model benchmarks/configs/llama-3.1-8b] --out latency.json
+    python -m benchmarks.gpu_perf throughput [--model ...] --out throughput.json
+    python -m benchmarks.gpu_perf hf-throughput --out hf_throughput.json   (the baseline; minutes)
+
+latency: batch 1, 128-token prompt, 256 new tokens: decode tokens/s of the engine (CUDA graphs with the
+next step launched ahead; graphs alone; eager) and of transformers, and the ratio to the roofline
+(measured bandwidth / bytes read per step: weights + KV at the mean context).
+throughput: 512 requests, prompts uniform in 128..1024, outputs uniform in 64..512 (seed 0, ignore_eos):
+output tokens/s, and the workload's roofline (prefill FLOPs at the measured matmul rate, then decode at
+the larger of its FLOPs and its bytes at the measured bandwidth, with max_num_seqs sequences at a time).
+Every run records device, versions, commit and the two measured ceilings.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import environment_record, print_table
+from benchmarks.device_limits import device_limits
+
+DEFAULT_MODEL = "benchmarks/configs/llama-3.1-8b"
+NUM_REQUESTS, PROMPT_RANGE, OUTPUT_RANGE = 512, (128, 1024), (64, 512)
+MAX_NUM_SEQS = 256
+
+
+def model_facts(hf_config, dtype_bytes: int = 2) -> dict:
+    """Parameter count and the bytes a decode step must read (the embedding table is only gathered)."""
+    h, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter + 2 * h
+    lm_head = hf_config.vocab_size * h
+    params = layers * per_layer + lm_head + h + (0 if hf_config.tie_word_embeddings else lm_head)
+    read_per_step = (layers * per_layer + lm_head + h) * dtype_bytes
+    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    return {"params": params, "weight_bytes_per_step": read_per_step, "kv_bytes_per_token": kv_per_token}
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab - 1000) for _ in range(n)] for n in lengths]
+
+
+def throughput_workload(vocab: int):
+    rng = random.Random(0)
+    prompt_lens = [rng.randint(*PROMPT_RANGE) for _ in range(NUM_REQUESTS)]
+    output_lens = [rng.randint(*OUTPUT_RANGE) for _ in range(NUM_REQUESTS)]
+    return random_prompts(vocab, prompt_lens, 1), output_lens
+
+
+def free_gpu() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def timed_generate(llm, prompts, params) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+# ---- latency ----------------------------------------------------------------------------------------------
+def engine_decode_rates(model: str, prompt: list[int], new_tokens: int) -> dict:
+    from engine import LLM, SamplingParams
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, show_progress=False)
+    engine = llm.engine
+    runner = engine.executor.runner
+
+    def rate():
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        many = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
+        timed_generate(llm, [prompt], many)  # warm-up
+        prefill = min(timed_generate(llm, [prompt], one) for _ in range(3))
+        total = min(timed_generate(llm, [prompt], many) for _ in range(3))
+        return new_tokens / (total - prefill)
+
+    results = {"backend": runner.kernel_backend.name, "graphs_and_run_ahead": rate()}
+    engine._run_ahead = False
+    results["graphs_only"] = rate()
+    graphs, runner.graphs = runner.graphs, None
+    results["eager"] = rate()
+    runner.graphs, engine._run_ahead = graphs, True
+    tokens = [o.token_ids for o in llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))]
+    runner.graphs = None
+    eager_tokens = [o.token_ids for o in llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32,
+                                                                                ignore_eos=True))]
+    results["graph_tokens_equal_eager"] = tokens == eager_tokens
+    del llm, engine, runner, graphs
+    free_gpu()
+    return results
+
+
+def hf_model(model: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf.eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def hf_decode_rate(model: str, prompt: list[int], new_tokens: int) -> float:
+    hf = hf_model(model)
+    ids = torch.tensor([prompt], device="cuda")
+
+    def run(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(8)
+    prefill = min(run(1) for _ in range(2))
+    total = min(run(new_tokens + 1) for _ in range(2))
+    del hf
+    free_gpu()
+    return new_tokens / (total - prefill)
+
+
+def latency(args) -> dict:
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(args.model)
+    limits = device_limits()
+    facts = model_facts(config)
+    prompt = random_prompts(config.vocab_size, [128], 0)[0]
+    new_tokens = 256
+    mean_context = 128 + new_tokens / 2
+    step_bytes = facts["weight_bytes_per_step"] + facts["kv_bytes_per_token"] * mean_context
+    roofline = limits["bandwidth_GBps"] * 1e9 / step_bytes
+    ours = engine_decode_rates(args.model, prompt, new_tokens)
+    hf = hf_decode_rate(args.model, prompt, new_tokens) if not args.skip_hf else None
+    rows = []
+    for variant in ("graphs_and_run_ahead", "graphs_only", "eager"):
+        rate = ours[variant]
+        rows.append((f"atom-ray {variant}", f"{rate:.1f}", f"{rate / roofline:.3f}", f"{rate / hf:.2f}x" if hf else "-"))
+    if hf:
+        rows.append(("transformers generate", f"{hf:.1f}", f"{hf / roofline:.3f}", "1.00x"))
+    print_table(["decode b=1", "tok/s", "of roofline", "vs transformers"], rows)
+    print(f"roofline {roofline:.1f} tok/s = {limits['bandwidth_GBps']:.0f} GB/s / {step_bytes / 1e9:.2f} GB per step")
+    return {"limits": limits, "model_facts": facts, "roofline_tok_s": roofline, "bytes_per_step": step_bytes,
+            "engine": ours, "hf_tok_s": hf, "prompt_tokens": 128, "new_tokens": new_tokens}
+
+
+# ---- throughput -------------------------------------------------------------------------------------------
+def workload_roofline(config, prompts, output_lens, limits) -> float:
+    facts = model_facts(config)
+    rate, bandwidth = limits["bf16_matmul_TFLOPs"] * 1e12, limits["bandwidth_GBps"] * 1e9
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    matmul_flops_per_token = 2 * facts["params"]
+    attention_flops = sum(2 * 2 * layers * hidden * len(p) * len(p) / 2 for p in prompts)  # causal QK^T and PV
+    prefill_s = (matmul_flops_per_token * sum(map(len, prompts)) + attention_flops) / rate
+    decode_tokens = sum(output_lens)
+    waves = -(-len(prompts) // MAX_NUM_SEQS)
+    steps = waves * max(output_lens)
+    kv_read = sum(facts["kv_bytes_per_token"] * (len(p) * n + n * n / 2) for p, n in zip(prompts, output_lens))
+    decode_bytes = steps * facts["weight_bytes_per_step"] + kv_read
+    decode_s = max(matmul_flops_per_token * decode_tokens / rate, decode_bytes / bandwidth)
+    return decode_tokens / (prefill_s + decode_s)
+
+
+def throughput(args) -> dict:
+    from engine import LLM, SamplingParams
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(args.model)
+    limits = device_limits()
+    prompts, output_lens = throughput_workload(config.vocab_size)
+    roofline = workload_roofline(config, prompts, output_lens, limits)
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=MAX_NUM_SEQS,
+              max_num_batched_tokens=8192, show_progress=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    timed_generate(llm, prompts[:8], params[:8])  # warm-up
+    llm.engine.scheduler.block_manager.reset_prefix_cache()
+    seconds = timed_generate(llm, prompts, params)
+    tok_s = sum(output_lens) / seconds
+    stats = llm.engine.stats()
+    print_table(["offline throughput", "output tok/s", "of roofline", "seconds"],
+                [("atom-ray", f"{tok_s:.0f}", f"{tok_s / roofline:.3f}", f"{seconds:.1f}"),
+                 ("roofline", f"{roofline:.0f}", "1.000", "-")])
+    return {"limits": limits, "engine_tok_s": tok_s, "seconds": seconds, "roofline_tok_s": roofline,
+            "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
+            "num_preemptions": stats["num_preemptions"], "num_kv_blocks": stats["num_kv_blocks"]}
+
+
+def hf_throughput(args) -> dict:
+    """transformers' continuous-batching manager on the same 512 requests (per-request output lengths)."""
+    from transformers import AutoConfig, GenerationConfig
+    config = AutoConfig.from_pretrained(args.model)
+    prompts, output_lens = throughput_workload(config.vocab_size)
+    if args.num_requests:
+        prompts, output_lens = prompts[:args.num_requests], output_lens[:args.num_requests]
+    hf = hf_model(args.model)
+    generation = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = hf.init_continuous_batching(generation_config=generation)
+    manager.start()
+    try:
+        def run(batch_prompts, batch_lens):
+            pending = {manager.add_request(p, max_new_tokens=n) for p, n in zip(batch_prompts, batch_lens)}
+            produced = 0
+            while pending:
+                result = manager.get_result(timeout=900)
+                if result is None:
+                    raise RuntimeError("continuous batching returned no result")
+                if result.request_id in pending and result.is_finished():
+                    pending.discard(result.request_id)
+                    produced += len(result.generated_tokens)
+            return produced
+        run(prompts[:4], [8] * 4)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        produced = run(prompts, output_lens)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    tok_s = produced / seconds
+    print_table(["transformers continuous batching", "output tok/s", "seconds", "requests"],
+                [("manager", f"{tok_s:.0f}", f"{seconds:.1f}", str(len(prompts)))])
+    return {"hf_cb_tok_s": tok_s, "seconds": seconds, "num_requests": len(prompts), "output_tokens": produced}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["latency", "throughput", "hf-throughput"])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--num-requests", type=int, default=None, help="hf-throughput: only the first N requests")
+    args = parser.parse_args()
+    result = {"latency": latency, "throughput": throughput, "hf-throughput": hf_throughput}[args.mode](args)
+    result = {"environment": environment_record(), "model": args.model, "mode": args.mode, **result}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

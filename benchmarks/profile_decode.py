@@ -1,0 +1,76 @@
+"""Where a batch-1 decode step's time goes on the GPU: graph replay time against the bytes it must read,
+and the per-kernel device time of the same step run eagerly (kernel names aggregated).
+
+    python -m benchmarks.profile_decode [--model benchmarks/configs/llama-3.1-8b] [--out profile.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import environment_record, print_table
+from benchmarks.gpu_perf import DEFAULT_MODEL, model_facts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from engine import LLM, SamplingParams
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
+              show_progress=False)
+    engine, runner = llm.engine, llm.engine.executor.runner
+    facts = model_facts(engine.source.hf_config)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", list(range(1000, 1256)), SamplingParams(max_tokens=1000, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+
+    graphs, size = runner.graphs, runner.graphs.padded_size(args.batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(50):
+        graphs.graphs[size].replay()
+    end.record()
+    end.synchronize()
+    replay_ms = start.elapsed_time(end) / 50
+    body_bytes = facts["weight_bytes_per_step"] - engine.source.hf_config.vocab_size * engine.source.hf_config.hidden_size * 2
+
+    runner.graphs = None
+    engine._run_ahead = False
+    for _ in range(3):
+        engine.step()
+    kernels = defaultdict(lambda: [0, 0.0])
+    steps = 10
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels[event.name[:90]]
+            entry[0] += 1
+            entry[1] += getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+    rows = sorted(((name, count / steps, total / steps) for name, (count, total) in kernels.items()),
+                  key=lambda row: -row[2])
+    busy_us = sum(row[2] for row in rows)
+    print_table(["kernel", "launches/step", "us/step"], [(n, f"{c:.0f}", f"{t:.1f}") for n, c, t in rows[:25]])
+    print(f"eager: {busy_us:.0f} us of kernels per step, {sum(r[1] for r in rows):.0f} launches")
+    print(f"graph replay (layers only): {replay_ms * 1000:.0f} us for {body_bytes / 1e9:.2f} GB "
+          f"= {body_bytes / replay_ms / 1e6:.0f} GB/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "environment": environment_record(), "batch": args.batch, "replay_us": replay_ms * 1000,
+            "layer_bytes": body_bytes, "eager_kernel_us_per_step": busy_us,
+            "kernels": [{"name": n, "launches_per_step": c, "us_per_step": t} for n, c, t in rows]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

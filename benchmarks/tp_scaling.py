@@ -1,0 +1,99 @@
+"""Tensor parallelism on GPUs through Ray rank actors (NCCL), against the bare engine, in one run.
+
+Batch-1 decode (128-token prompt, 256 new tokens) of the bare engine, of atom_ray.start with TP=1 and
+with TP=2; and the teacher-forced agreement of TP=2 with TP=1: the top-1 token at every position of a
+fixed 1024-token sequence (prompt logprobs), in bf16 and fp32. Dummy weights are a seeded random
+checkpoint, so both layouts shard the same model.
+
+    python -m benchmarks.tp_scaling [--model benchmarks/configs/llama-3.1-8b] --out tp.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from benchmarks.common import environment_record, print_table
+
+PROMPT_LEN, NEW_TOKENS, TEACHER_LEN = 128, 256, 1024
+ENGINE_ARGS = dict(load_format="dummy", max_model_len=4096, max_num_seqs=8, device="cuda")
+
+
+def decode_rate(generate) -> float:
+    from engine import SamplingParams
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)]
+
+    def run(n):
+        start = time.perf_counter()
+        generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - start
+
+    run(8)
+    prefill = min(run(1) for _ in range(3))
+    total = min(run(NEW_TOKENS + 1) for _ in range(3))
+    return NEW_TOKENS / (total - prefill)
+
+
+def top1_tokens(generate) -> list[int]:
+    from engine import SamplingParams
+    rng = random.Random(1)
+    sequence = [rng.randrange(1000, 100000) for _ in range(TEACHER_LEN)]
+    output = generate([sequence], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    return [min(entry.items(), key=lambda item: item[1].rank)[0] for entry in output.prompt_logprobs[1:]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    import torch
+
+    import atom_ray
+    from engine import LLM
+
+    results = {"environment": environment_record(), "model": args.model, "engine_args": ENGINE_ARGS}
+    bare = LLM(args.model, dtype="bfloat16", show_progress=False, **ENGINE_ARGS)
+    results["bare_tok_s"] = decode_rate(bare.generate)
+    del bare
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
+    tops = {}
+    for dtype in ("bfloat16", "float32"):
+        for tp in (1, 2):
+            handle = atom_ray.start(args.model, dtype=dtype, tensor_parallel_size=tp, **ENGINE_ARGS)
+            try:
+                if dtype == "bfloat16":
+                    results[f"ray_tp{tp}_tok_s"] = decode_rate(handle.generate)
+                tops[(dtype, tp)] = top1_tokens(handle.generate)
+            finally:
+                handle.shutdown()
+        same = sum(a == b for a, b in zip(tops[(dtype, 1)], tops[(dtype, 2)]))
+        results[f"teacher_forced_agreement_{dtype}"] = same / len(tops[(dtype, 1)])
+    ray.shutdown()
+
+    results["tp2_speedup"] = results["ray_tp2_tok_s"] / results["ray_tp1_tok_s"]
+    results["ray_tp1_vs_bare"] = results["ray_tp1_tok_s"] / results["bare_tok_s"]
+    print_table(["batch-1 decode", "tok/s", "ratio"], [
+        ("bare engine (TP=1)", f"{results['bare_tok_s']:.1f}", "1.00"),
+        ("Ray TP=1", f"{results['ray_tp1_tok_s']:.1f}", f"{results['ray_tp1_vs_bare']:.3f} of bare"),
+        ("Ray TP=2", f"{results['ray_tp2_tok_s']:.1f}", f"{results['tp2_speedup']:.2f}x TP=1"),
+    ])
+    print(f"teacher-forced top-1 agreement TP=2 vs TP=1: bf16 {results['teacher_forced_agreement_bfloat16']:.4f}, "
+          f"fp32 {results['teacher_forced_agreement_float32']:.4f} over {TEACHER_LEN - 1} positions")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

