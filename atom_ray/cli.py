@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--address", default=None, help="Ray cluster to join (default: a running local one, "
-                       "else a new local Ray on 127.0.0.1)")
+    serve.add_argument("--address", default=None, help="Ray cluster to join ('auto': the one running here); "
+                       "default: start a local Ray on 127.0.0.1")
     serve.add_argument("--config", default=None, help="a serve config file (applications, http_options)")
     serve.add_argument("--cpus-per-rank", type=int, default=None)
     serve.add_argument("--max-pending-requests", type=int, default=256)

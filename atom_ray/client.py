@@ -14,7 +14,7 @@ import uuid
 from typing import AsyncIterator
 
 from engine.async_llm import EngineDeadError
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, drain_merged
 from engine.sampling_params import SamplingParams
 
 from atom_ray.coordinator import OutputDelta
@@ -105,6 +105,7 @@ class RayEngineClient:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine failed: {item!r}") from item
+                item = drain_merged(stream.queue, item)  # a slow reader gets one output per read
                 finished = item.finished
                 yield item
                 if finished:

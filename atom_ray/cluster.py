@@ -11,9 +11,10 @@ LOCAL_ENV = {
 }
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
-    """Join `address` (or the cluster found by Ray's usual discovery); with no cluster anywhere, start a
-    local one on 127.0.0.1. Returns True when this call started a new local cluster."""
+def ensure_ray(address: str | None = None, join_running: bool = True, num_cpus: int | None = None) -> bool:
+    """Join `address`; else, with `join_running`, a cluster found by Ray's discovery (RAY_ADDRESS, or a Ray
+    running on this machine); else start a local one on 127.0.0.1 without dashboard. Returns True when
+    this call started a new local cluster."""
     import ray
     if ray.is_initialized():
         return False
@@ -22,10 +23,12 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     if address is not None:
         ray.init(address=address, logging_level="WARNING")
         return False
-    try:
-        ray.init(address="auto", logging_level="WARNING")
-        return False
-    except ConnectionError:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
-                 _node_ip_address="127.0.0.1")
-        return True
+    if join_running:
+        try:
+            ray.init(address="auto", logging_level="WARNING")
+            return False
+        except ConnectionError:
+            pass
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
+             _node_ip_address="127.0.0.1")
+    return True

@@ -10,6 +10,7 @@ onto PYTHONPATH:
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,11 @@ def download_wheels(target: Path, python_version: str, ray_version: str, grpcio_
 def unpack(wheels: Path, site: Path) -> None:
     for wheel in sorted(wheels.glob("*.whl")):
         with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(site)
+            for entry in archive.infolist():
+                path = archive.extract(entry, site)
+                mode = entry.external_attr >> 16  # zipfile drops Unix modes: Ray's binaries need +x
+                if mode & 0o111:
+                    os.chmod(path, mode & 0o777)
     for relative in PRUNED:
         shutil.rmtree(site / relative, ignore_errors=True)
     for cache in site.rglob("__pycache__"):

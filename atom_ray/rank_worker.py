@@ -1,6 +1,11 @@
-"""The RankWorker actor: one per GPU rank (on CPU, a share of the cores), wrapping the engine's Worker."""
+"""The RankWorker actor: one per GPU rank (on CPU, a share of the cores), wrapping the engine's Worker.
+
+It is an asyncio actor so that the leader takes the next plan (the coordinator keeps two in flight) while
+the GPU still runs the current one: `execute` launches its step, then waits for the sampled ids in a
+thread, letting the next call launch the following step meanwhile."""
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from urllib.parse import urlparse
@@ -23,27 +28,30 @@ class RankWorker:
             port = sock.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def init_worker(self, config: EngineConfig, rank: int, world_size: int, init_method: str,
+    async def init_worker(self, config: EngineConfig, rank: int, world_size: int, init_method: str,
                     max_model_len: int, eos_token_ids: frozenset[int]) -> None:
         if urlparse(init_method).hostname in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.worker = Worker(config, rank, world_size, init_method, max_model_len, eos_token_ids)
 
-    def determine_num_kv_blocks(self) -> int:
+    async def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    async def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:
-        return self.worker.execute(scheduled)
+    async def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:
+        pending = self.worker.execute_async(scheduled)
+        await asyncio.get_running_loop().run_in_executor(None, pending.wait)
+        return pending.result()  # on the event loop: never interleaves with another call's launch
 
-    def follow(self) -> None:
-        self.worker.follow()
+    async def follow(self) -> None:
+        # Peers block in their broadcast loop for the engine's lifetime: off the event loop.
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.follow)
 
-    def stop_followers(self) -> None:
+    async def stop_followers(self) -> None:
         self.worker.stop_followers()
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

@@ -90,7 +90,7 @@ def serve_until_interrupted(options: ServeOptions, app_args: dict) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    started_ray = ensure_ray(options.address)
+    started_ray = ensure_ray(options.address, join_running=False)
     served = []
     try:
         served = deploy(options, app_args)

@@ -239,7 +239,12 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--num-requests", type=int, default=None, help="hf-throughput: only the first N requests")
     args = parser.parse_args()
-    result = {"latency": latency, "throughput": throughput, "hf-throughput": hf_throughput}[args.mode](args)
+    try:
+        result = {"latency": latency, "throughput": throughput, "hf-throughput": hf_throughput}[args.mode](args)
+    except Exception as exc:  # keep what the run tells, also when a baseline's API moved between releases
+        import traceback
+        traceback.print_exc()
+        result = {"error": repr(exc)}
     result = {"environment": environment_record(), "model": args.model, "mode": args.mode, **result}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -1,15 +1,19 @@
-"""asyncio front of an in-process engine: the step loop runs on a background thread, each caller awaits
-its own stream of outputs. The Ray client (atom_ray) offers the same methods for a distributed engine."""
+"""asyncio front of an in-process engine. One thread owns the engine and runs its step loop; callers send
+it commands (add, abort) through a queue and await their own stream of outputs, so no caller ever waits
+behind a lock for the loop to let go. The Ray client (atom_ray) offers the same methods for a
+distributed engine."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import queue
 import threading
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, drain_merged
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -24,9 +28,10 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self._lock = threading.Lock()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._work = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # step thread only
+        self._stats = engine.stats()
         self._stopped = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
@@ -45,18 +50,18 @@ class AsyncLLM:
         before the first output if the request is refused. Leaving the loop early aborts the request."""
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error!r}")
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            request_id = request_id or self.engine.new_request_id()
-            self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._work.set()
+        request_id = request_id or self.engine.new_request_id()
+        stream: asyncio.Queue = asyncio.Queue()
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("add", request_id, prompt, params, asyncio.get_running_loop(), stream, accepted))
+        await asyncio.wrap_future(accepted)  # the engine's refusal, if any, is raised here
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine failed: {item!r}") from item
+                item = drain_merged(stream, item)  # a slow reader gets one output per read, not a backlog
                 finished = item.finished
                 yield item
                 if finished:
@@ -66,14 +71,12 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
-        self._work.set()  # the next step tells the runner to forget it
+        """Stop a request and free its KV blocks (takes effect before the next step)."""
+        self._send(("abort", request_id))
 
     def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+        """The engine's counters as of the latest step."""
+        return dict(self._stats)
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -81,30 +84,73 @@ class AsyncLLM:
         self._thread.join(timeout=10)
         self.engine.shutdown()
 
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._work.set()
+        if not self._thread.is_alive():  # the loop has exited: nobody will take the command
+            self._refuse_pending_commands()
+
+    # ---- the step thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
+        engine = self.engine
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-                if busy:
-                    try:
-                        outputs = self.engine.step()
-                    except BaseException as exc:  # a failed step leaves the engine state unknown
-                        logger.exception("engine step failed")
-                        self.error = exc
-                        self._fail_all(exc)
-                        return
-                    for output in outputs:
-                        self._deliver(output.request_id, output, remove=output.finished)
-            if not busy:
+            self._work.clear()
+            self._run_commands()
+            if not engine.has_unfinished_requests():
                 self._work.wait(timeout=0.5)
-                self._work.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as exc:  # a failed step leaves the engine state unknown
+                logger.exception("engine step failed")
+                self.error = exc
+                self._fail_all(exc)
+                break
+            for output in outputs:
+                self._deliver(output.request_id, output, remove=output.finished)
+            self._stats = engine.stats()
+        self._refuse_pending_commands()
+
+    def _refuse_pending_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                command[-1].set_exception(EngineDeadError("the engine is stopped"))
+
+    def _run_commands(self) -> None:
+        ran = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            ran = True
+            if command[0] == "add":
+                _, request_id, prompt, params, loop, stream, accepted = command
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except Exception as exc:  # refused: the caller's generate() raises it
+                    accepted.set_exception(exc)
+                    continue
+                self._streams[request_id] = (loop, stream)
+                accepted.set_result(None)
+            else:
+                request_id = command[1]
+                self._streams.pop(request_id, None)
+                self.engine.abort_request(request_id)
+        if ran:
+            self._stats = self.engine.stats()
 
     def _deliver(self, request_id: str, item, remove: bool) -> None:
         stream = self._streams.pop(request_id, None) if remove else self._streams.get(request_id)
         if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop, queue_ = stream
+            loop.call_soon_threadsafe(queue_.put_nowait, item)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):
             self._deliver(request_id, exc, remove=True)
+

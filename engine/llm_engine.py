@@ -208,13 +208,12 @@ class LLMEngine:
             output = self.executor.execute(scheduled)
             return self.process_step(self.update_step(scheduled, output), output)
         # On a GPU: launch step N+1, then collect step N, so the host's work (scheduling, input
-        # preparation, detokenization) overlaps the device's. Requests that need every token on the
-        # host before the next step (penalties, logprobs) make it synchronous while they run.
+        # preparation, detokenization) overlaps the device's. The runner waits for step N first only
+        # where step N+1 needs its tokens on the host (penalties).
         launched = None
-        if self._in_flight is None or self._can_run_ahead():
-            scheduled = self.schedule_step()
-            if scheduled is not None:
-                launched = (scheduled, self.executor.execute_async(scheduled))
+        scheduled = self.schedule_step()
+        if scheduled is not None:
+            launched = (scheduled, self.executor.execute_async(scheduled))
         outputs = []
         if self._in_flight is not None:
             scheduled, pending = self._in_flight
@@ -222,10 +221,6 @@ class LLMEngine:
             outputs = self.process_step(self.update_step(scheduled, output), output)
         self._in_flight = launched
         return outputs
-
-    def _can_run_ahead(self) -> bool:
-        return not any(p.has_penalties or p.logprobs is not None or p.prompt_logprobs is not None
-                       for p in (r.sampling_params for r in self.scheduler.requests.values()))
 
     def schedule_step(self) -> SchedulerOutput | None:
         """The next step plan, or None when there is nothing for the runners to do."""

@@ -74,3 +74,31 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[PositionLogprobs] | None:
         return self.outputs[0].logprobs
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: the last cumulative state, with every delta joined."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    merged = []
+    for completion in last.outputs:
+        parts = [c for o in outputs for c in o.outputs if c.index == completion.index]
+        merged.append(CompletionOutput(
+            completion.index, completion.text, completion.token_ids, completion.finish_reason,
+            completion.stop_reason, completion.logprobs, "".join(p.new_text for p in parts),
+            [t for p in parts for t in p.new_token_ids]))
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged, last.finished,
+                         last.prompt_logprobs, last.num_cached_tokens, last.metrics)
+
+
+def drain_merged(queue, first):
+    """`first` merged with every RequestOutput already waiting in the asyncio queue behind it (an
+    exception stays queued for the next read)."""
+    batch = [first]
+    while not queue.empty() and not batch[-1].finished:
+        item = queue._queue[0]  # peek: exceptions are left for the caller's next get()
+        if isinstance(item, BaseException):
+            break
+        batch.append(queue.get_nowait())
+    return merge_outputs(batch)

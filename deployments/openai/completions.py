@@ -52,10 +52,9 @@ def _tokenize(ctx: ServingContext, prompt: str | list[int], max_tokens: int | No
 
 
 def _prompt_positions(prompt_logprobs: list | None, num_prompt_tokens: int) -> list:
-    """One entry per prompt token. The engine's list starts with None (the first token has no context) and
-    then scores only the tokens it computed: after a prefix-cache hit, the tail. Unscored tokens get None."""
-    scored = (prompt_logprobs or [None])[1:]
-    return [None] * (num_prompt_tokens - len(scored)) + scored
+    """One entry per prompt token; the engine's first is None (the first token has no context). The engine
+    bypasses the prefix cache for requests with prompt logprobs, so every position is scored."""
+    return prompt_logprobs if prompt_logprobs is not None else [None] * num_prompt_tokens
 
 
 class _CompletionResponder:

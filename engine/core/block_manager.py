@@ -53,8 +53,8 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids holding the longest cached prefix of the request (at least one token is left to
         compute, so the request still produces logits)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)
         hits = []

@@ -22,7 +22,8 @@ class RunnerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     num_pending: int = 0  # sampled tokens not yet on the host (at most two: launched steps k-1 and k)
-    pending_row: int = -1  # row of the newest pending token in the latest step's sampled ids
+    pending_row: int = -1  # row of the newest pending token in its step's sampled ids
+    pending_step: int = 0  # the step that samples the newest pending token
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ host in the background, so the caller can plan (and launch) the next step before
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import numpy as np
 import torch
@@ -30,29 +31,33 @@ logger = logging.getLogger(__name__)
 
 
 class PendingOutput:
-    """A launched step. `result()` waits for its sampled ids, records them in the runner's request
-    state, and returns the RunnerOutput (None on non-leader ranks)."""
+    """A launched step. `result()` waits for its sampled ids, records them (after those of every earlier
+    step) in the runner's request state, and returns the RunnerOutput (None on non-leader ranks)."""
 
-    def __init__(self, runner: "ModelRunner", output: RunnerOutput, requests: list[RunnerRequest],
+    def __init__(self, runner: "ModelRunner", step: int, output: RunnerOutput, requests: list[RunnerRequest],
                  sampled_host: torch.Tensor | None, event) -> None:
-        self._runner, self._output, self._requests = runner, output, requests
+        self._runner, self.step, self._output, self._requests = runner, step, output, requests
         self._sampled_host, self._event = sampled_host, event
-        self._result: RunnerOutput | None = None
-        self._done = False
+        self.done = False
+
+    def wait(self) -> None:
+        """Block until the step's sampled ids are on the host (callable from any thread)."""
+        if self._event is not None:
+            self._event.synchronize()
 
     def result(self) -> RunnerOutput | None:
-        if not self._done:
-            self._done = True
-            if self._sampled_host is not None:
-                if self._event is not None:
-                    self._event.synchronize()
-                ids = self._sampled_host.tolist()
-                self._output.sampled_token_ids = ids
-                for request, token_id in zip(self._requests, ids):
-                    request.token_ids.append(token_id)
-                    request.num_pending -= 1
-            self._result = self._output if self._runner.is_driver else None
-        return self._result
+        self._runner.resolve_until(self.step)
+        return self._output if self._runner.is_driver else None
+
+    def _record(self) -> None:
+        self.wait()
+        if self._sampled_host is not None:
+            ids = self._sampled_host.tolist()
+            self._output.sampled_token_ids = ids
+            for request, token_id in zip(self._requests, ids):
+                request.token_ids.append(token_id)
+                request.num_pending -= 1
+        self.done = True
 
 
 class ModelRunner:
@@ -75,6 +80,8 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.graphs: DecodeGraphs | None = None
         self._last_sampled: torch.Tensor | None = None  # device ids of the latest step, for pending tokens
+        self._step = 0
+        self._unresolved: deque[PendingOutput] = deque()  # launched steps whose ids are not recorded yet
         logger.info("model loaded: %s, dtype %s, device %s, kernels %s", type(self.model).__name__,
                     self.dtype, device, self.kernel_backend.name)
 
@@ -142,9 +149,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_async(self, scheduled: SchedulerOutput) -> PendingOutput:
+        """Launch a step, possibly before earlier steps' ids reached the host. Earlier steps are waited
+        for only where this one needs them: a request with penalties (token history on the host), or
+        whose newest pending token is older than the latest step (its input can only come from there)."""
         self._update_states(scheduled)
+        self._step += 1
         if scheduled.is_empty:
-            return PendingOutput(self, RunnerOutput(), [], None, None)
+            return self._track(PendingOutput(self, self._step, RunnerOutput(), [], None, None))
+        needed = 0
+        for request_id in scheduled.num_scheduled_tokens:
+            request = self.requests[request_id]
+            if request.num_pending and (request.params.has_penalties or request.pending_step != self._step - 1):
+                needed = max(needed, request.pending_step)
+        if needed:
+            self.resolve_until(needed)
         host = prepare_host_inputs(self.requests, scheduled.num_scheduled_tokens, self.block_size)
         hidden = self._forward(host)
         output = RunnerOutput()
@@ -155,7 +173,7 @@ class ModelRunner:
             self._last_sampled = sampled
             for row, request in enumerate(host.sampling_requests):
                 request.num_pending += 1
-                request.pending_row = row
+                request.pending_row, request.pending_step = row, self._step
                 output.request_ids.append(request.request_id)
                 if logprobs is not None and request.params.logprobs is not None:
                     output.logprobs[request.request_id] = _slice_logprobs(logprobs, row, request.params.logprobs)
@@ -165,7 +183,16 @@ class ModelRunner:
             num_top = self.requests[request_id].params.prompt_logprobs
             output.prompt_logprobs[request_id] = compute_logprobs(
                 logits, torch.tensor(targets, device=self.device), num_top)
-        return PendingOutput(self, output, host.sampling_requests, sampled_host, event)
+        return self._track(PendingOutput(self, self._step, output, host.sampling_requests, sampled_host, event))
+
+    def _track(self, pending: PendingOutput) -> PendingOutput:
+        self._unresolved.append(pending)
+        return pending
+
+    def resolve_until(self, step: int) -> None:
+        """Record the sampled ids of every launched step up to `step`, oldest first."""
+        while self._unresolved and self._unresolved[0].step <= step:
+            self._unresolved.popleft()._record()
 
     def _forward(self, host: HostInputs) -> torch.Tensor:
         input_ids = self._to_device(host.input_ids)

@@ -16,7 +16,7 @@ from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.loader import resolve_model
 from engine.parallel import destroy_parallel, get_parallel_state, init_parallel
 from engine.runner.device import resolve_device
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,21 +41,31 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:
-        """Leader only: share the plan with the peers, then run it."""
+    def execute_async(self, scheduled: SchedulerOutput) -> PendingOutput:
+        """Leader only: share the plan with the peers, then launch it."""
         assert self.rank == 0
         if self.world_size > 1:
             self._broadcast(scheduled)
-        return self.runner.execute(scheduled)
+        return self.runner.execute_async(scheduled)
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:
+        return self.execute_async(scheduled).result()
 
     def follow(self) -> None:
-        """Peers only: run every plan the leader broadcasts until it says stop."""
+        """Peers only: run every plan the leader broadcasts until it says stop. Each plan is launched
+        before the previous step's ids are recorded, so a peer keeps pace with a leader that runs ahead."""
         assert self.rank != 0
+        previous = None
         while True:
             scheduled = self._broadcast(None)
             if scheduled == _STOP:
-                return
-            self.runner.execute(scheduled)
+                break
+            launched = self.runner.execute_async(scheduled)
+            if previous is not None:
+                previous.result()
+            previous = launched
+        if previous is not None:
+            previous.result()
 
     def stop_followers(self) -> None:
         if self.rank == 0 and self.world_size > 1:

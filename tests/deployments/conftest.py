@@ -60,34 +60,9 @@ def serve(app):
         sock.close()
 
 
-class FairLock:
-    """A first-come-first-served lock. AsyncLLM's step loop releases its plain lock and takes it straight
-    back, so a caller of generate/abort/stats can wait through many steps (measured: up to 15 s on 2 cores),
-    which made abort-on-disconnect timing random. Until AsyncLLM hands callers a turn (see the HTTP layer's
-    report), these tests give its lock one that does, so that they test the HTTP layer and not that race."""
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition(threading.Lock())
-        self._next_ticket = 0
-        self._now_serving = 0
-
-    def __enter__(self) -> FairLock:
-        with self._condition:
-            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-            self._condition.wait_for(lambda: self._now_serving == ticket)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        with self._condition:
-            self._now_serving += 1
-            self._condition.notify_all()
-
-
 @pytest.fixture(scope="session")
 def engine():
     llm = AsyncLLM.from_config(EngineConfig("smollm2-135m"))
-    if type(getattr(llm, "_lock", None)) is type(threading.Lock()):
-        llm._lock = FairLock()  # swapped while idle: the step loop looks the lock up on every iteration
     yield llm
     llm.shutdown()
 

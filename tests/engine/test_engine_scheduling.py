@@ -86,6 +86,9 @@ def test_launching_steps_ahead_gives_the_synchronous_tokens(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=11, max_model_len=176, show_progress=False)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=20 + i, ignore_eos=True) for i in range(len(PROMPTS))]
     params[1] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[7])
+    params[2] = SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.3, frequency_penalty=0.5,
+                               ignore_eos=True)  # needs every earlier token on the host
+    params[3] = SamplingParams(temperature=0.5, seed=9, max_tokens=22, logprobs=2, ignore_eos=True)
     synchronous = [o.token_ids for o in llm.generate(PROMPTS, params)]
     llm.engine._run_ahead = True
     preemptions_before = llm.engine.stats()["num_preemptions"]
@@ -93,3 +96,10 @@ def test_launching_steps_ahead_gives_the_synchronous_tokens(llama_dir):
     assert [o.token_ids for o in ahead] == synchronous
     assert llm.engine.stats()["num_preemptions"] > preemptions_before  # pending tokens survive preemption
     _assert_all_blocks_free(llm)
+
+
+def test_prompt_logprobs_cover_every_position_even_when_the_prefix_is_cached(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", show_progress=False)
+    llm.generate([PROMPTS[0]], GREEDY)  # caches the shared prefix
+    output = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    assert len(output.prompt_logprobs) == len(PROMPTS[1]) and all(output.prompt_logprobs[1:])

@@ -1,0 +1,185 @@
+"""The Serve deployment on a real local Ray cluster: HTTP with the openai client, Python handles from another
+Ray driver, `serve run` of the shipped local config, and the `atom-ray serve` command."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+APP_NAME = "atom-ray-test"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"{url} never became healthy")
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster):
+    from ray import serve
+
+    from deployments.serve_app import build_app
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model": "smollm2-135m", "served_model_name": "smol",
+                         "engine_args": {"max_model_len": 2048, "max_num_seqs": 16}}),
+              name=APP_NAME, route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(f"{base}/health")
+    yield base
+    serve.delete(APP_NAME)
+
+
+@pytest.fixture(scope="module")
+def openai_client(served):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{served}/v1", api_key="unused")
+
+
+def test_chat_through_serve(openai_client):
+    reply = openai_client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=30, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 10
+
+
+def test_streaming_completion_through_serve_with_usage(openai_client):
+    stream = openai_client.completions.create(model="smol", prompt="The capital of France is", max_tokens=12,
+                                              temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_n2_stop_and_logprobs_through_serve(openai_client):
+    reply = openai_client.completions.create(model="smol", prompt="Count: 1, 2, 3,", max_tokens=20, n=2,
+                                             temperature=0.9, seed=5, stop=["7"], logprobs=2)
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    for choice in reply.choices:
+        assert "7" not in choice.text
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) > 0
+
+
+def test_bad_request_through_serve_is_an_openai_error(served):
+    response = requests.post(f"{served}/v1/completions", json={"model": "smol", "prompt": "x", "max_tokens": -1})
+    assert response.status_code == 400 and response.json()["error"]["message"]
+    unknown = requests.post(f"{served}/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert unknown.status_code == 404
+
+
+def test_disconnect_mid_stream_returns_kv_blocks(served):
+    def usage():
+        text = requests.get(f"{served}/metrics", timeout=10).text
+        line = next(l for l in text.splitlines() if l.startswith("atom_ray:kv_cache_usage_perc"))
+        return float(line.split()[-1])
+
+    baseline = usage()
+    with requests.post(f"{served}/v1/completions", stream=True, timeout=60,
+                       json={"model": "smol", "prompt": "Tell me a long story.", "max_tokens": 1500,
+                             "ignore_eos": True, "stream": True}) as response:
+        for index, _ in enumerate(response.iter_lines()):
+            if index > 10:
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and usage() > baseline:
+        time.sleep(0.2)
+    assert usage() <= baseline
+
+
+def test_another_ray_driver_streams_through_a_handle(served, ray_cluster):
+    script = textwrap.dedent(f"""
+        import ray
+        from ray import serve
+        ray.init(address="{ray_cluster}", logging_level="ERROR")
+        handle = serve.get_app_handle("{APP_NAME}")
+        pieces = []
+        for chunk in handle.options(stream=True).generate_stream.remote(
+                {{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}}):
+            pieces.append(chunk["text"])
+        print("PIECES", len(pieces), "TEXT", repr("".join(pieces)))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Paris" in result.stdout and "PIECES" in result.stdout
+    assert int(result.stdout.split("PIECES")[1].split()[0]) > 1  # streamed, not one reply
+
+
+def isolated_ray_env() -> dict:
+    """A Ray of its own: RAY_ADDRESS=local keeps `serve run` from joining the test session's cluster, and a
+    temp dir of its own (short, for Ray's socket paths) keeps their files apart."""
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ar-", dir="/tmp")
+    return env
+
+
+def stop(process: subprocess.Popen) -> str:
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        return process.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.communicate()[0]
+
+
+def test_serve_run_of_the_local_config_answers(tmp_path):
+    """`serve run deployments/configs/local.yaml`, as a user types it (on a Ray it starts itself)."""
+    config = (ROOT / "deployments" / "configs" / "local.yaml").read_text()
+    port = free_port()
+    path = tmp_path / "local.yaml"
+    path.write_text(config.replace("port: 8000", f"port: {port}"))
+    process = subprocess.Popen(["serve", "run", str(path)], cwd=ROOT, env=isolated_ray_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", timeout=400)
+        reply = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                              json={"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 6,
+                                    "temperature": 0}).json()
+        assert "Paris" in reply["choices"][0]["text"]
+    finally:
+        stop(process)
+
+
+def test_atom_ray_serve_command_starts_its_own_local_ray():
+    """With no cluster to join it starts one on 127.0.0.1, prints the URL, serves, and cleans up on Ctrl-C."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "atom_ray.cli", "serve", "--port", str(port),
+                                "--max-model-len", "1024"], cwd=ROOT, env=isolated_ray_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    healthy = False
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", timeout=400)
+        healthy = True
+        models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == "smollm2-135m"
+    finally:
+        output = stop(process)
+        if not healthy:
+            print(output[-6000:])
+    assert f"http://127.0.0.1:{port}/v1" in output
+    assert process.returncode == 0, output[-3000:]
