@@ -34,6 +34,14 @@ class _Stream:
         self.output: RequestOutput | None = None
         self.prompt = prompt if isinstance(prompt, str) else None
 
+    def put(self, item) -> bool:
+        """Hand an item to the reader's event loop; False if that loop has closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:
+            return False
+
     def apply(self, delta: OutputDelta) -> RequestOutput:
         """The cumulative RequestOutput after this delta (a fresh object: earlier ones stay valid)."""
         if self.output is None:
@@ -142,12 +150,11 @@ class RayEngineClient:
     def _dispatch(self, delta: OutputDelta) -> None:
         with self._lock:
             stream = self._streams.pop(delta.request_id, None) if delta.finished else self._streams.get(delta.request_id)
-        if stream is not None:
-            output = stream.apply(delta)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+        if stream is not None and not stream.put(stream.apply(delta)):
+            self.abort(delta.request_id)  # its reader's event loop is gone
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            stream.put(exc)

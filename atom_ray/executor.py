@@ -1,6 +1,7 @@
 """Runs the engine's step plans on RankWorker actors: one call per step, to the TP group leader."""
 from __future__ import annotations
 
+import itertools
 import logging
 
 from engine.config import EngineConfig
@@ -26,6 +27,7 @@ class RayExecutor:
         self.workers = [actor.options(**rank_options(self.group, rank, self.options)).remote()
                         for rank in range(world_size)]
         self._follow_refs = []
+        self._plans = itertools.count()
         try:
             init_method = ray.get(self.workers[0].rendezvous_address.remote())
             ray.get([worker.init_worker.remote(config, rank, world_size, init_method, max_model_len, eos_token_ids)
@@ -46,7 +48,7 @@ class RayExecutor:
 
     def execute_async(self, scheduled: SchedulerOutput):
         """An ObjectRef of the leader's RunnerOutput (awaitable)."""
-        return self.leader.execute.remote(scheduled)
+        return self.leader.execute.remote(scheduled, next(self._plans))
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         import ray

@@ -18,6 +18,10 @@ from engine.runner.worker import Worker
 class RankWorker:
     def __init__(self) -> None:
         self.worker: Worker | None = None
+        # Ray may start a concurrent actor's tasks out of submission order (a plan whose arguments must
+        # be fetched first waits while a later, inlined one runs), so plans carry their sequence number.
+        self._next_plan = 0
+        self._turn: asyncio.Condition | None = None
 
     def rendezvous_address(self) -> str:
         """tcp://<this node's IP>:<a free port> for the group's torch.distributed rendezvous."""
@@ -40,9 +44,19 @@ class RankWorker:
     async def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    async def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:
-        pending = self.worker.execute_async(scheduled)
-        await asyncio.get_running_loop().run_in_executor(None, pending.wait)
+    async def execute(self, scheduled: SchedulerOutput, sequence: int) -> RunnerOutput | None:
+        if self._turn is None:
+            self._turn = asyncio.Condition()
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._next_plan == sequence)
+            # One more turn of the event loop: Ray sends the previous call's reply from a callback on this
+            # loop, and a CPU step would otherwise hold that reply back for its whole computation.
+            await asyncio.sleep(0)
+            pending = self.worker.execute_async(scheduled)
+            self._next_plan += 1
+            self._turn.notify_all()
+        if pending.in_flight:  # a GPU step: let the next call launch while this one's ids come back
+            await asyncio.get_running_loop().run_in_executor(None, pending.wait)
         return pending.result()  # on the event loop: never interleaves with another call's launch
 
     async def follow(self) -> None:

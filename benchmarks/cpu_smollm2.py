@@ -3,7 +3,8 @@
 Measures batch-1 decode tokens/s (and its ratio to the memory-bandwidth roofline) and total output
 throughput for 16 requests of mixed prompt and output lengths. transformers runs the same bf16 weights
 (de-quantized from the same GGUF file), once request by request with `generate` and once with its
-continuous-batching manager; the better of the two is the baseline.
+continuous-batching manager; the better of the two is the baseline. Each figure is the median of three rounds, the engine's and
+transformers' rounds alternating so that both see the same machine.
 
     python benchmarks/cpu_smollm2.py [--out bench_out/cpu_smollm2.json]
 """
@@ -56,26 +57,25 @@ def workload(vocab_size: int, seed: int = 0):
     return prompts, output_lens
 
 
-def engine_decode_rate(llm, prompt) -> tuple[float, float]:
+ROUNDS = 3  # engine and transformers alternate, so both see the same machine; medians are reported
+
+
+def engine_generate(llm, prompt):
     from engine import SamplingParams
-
-    def run(n):
-        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-
-    run(8)  # warm-up
-    prefill = timed(lambda: run(1))
-    total = timed(lambda: run(DECODE_NEW_TOKENS + 1))
-    return DECODE_NEW_TOKENS / (total - prefill), prefill
+    return lambda n: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 
 
-def hf_decode_rate(model, prompt) -> tuple[float, float]:
+def hf_generate(model, prompt):
     ids = torch.tensor([prompt])
 
     def run(n):
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return run
 
-    run(8)
+
+def decode_rate(run) -> tuple[float, float]:
+    """Decode tokens/s (the time of DECODE_NEW_TOKENS extra tokens) and the prefill seconds."""
     prefill = timed(lambda: run(1))
     total = timed(lambda: run(DECODE_NEW_TOKENS + 1))
     return DECODE_NEW_TOKENS / (total - prefill), prefill
@@ -85,7 +85,7 @@ def engine_throughput(llm, prompts, output_lens) -> float:
     from engine import SamplingParams
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], params[:2])  # warm-up
-    llm.engine.scheduler.block_manager.reset_prefix_cache()
+    llm.engine.scheduler.block_manager.reset_prefix_cache()  # no reuse of an earlier round's prompts
     seconds = timed(lambda: llm.generate(prompts, params))
     return sum(output_lens) / seconds
 
@@ -105,7 +105,7 @@ def hf_continuous_batching_throughput(model, prompts, output_lens) -> float:
     manager = model.init_continuous_batching(generation_config=config)
     manager.start()
     try:
-        def run():
+        def one_round():
             pending = {manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens)}
             produced = 0
             while pending:
@@ -118,14 +118,16 @@ def hf_continuous_batching_throughput(model, prompts, output_lens) -> float:
                     pending.discard(result.request_id)
                     produced += len(result.generated_tokens)
             return produced
-        run()  # warm-up
-        start = time.perf_counter()
-        produced = run()
-        seconds = time.perf_counter() - start
+        one_round()  # warm-up
+        rates = []
+        for _ in range(ROUNDS):
+            start = time.perf_counter()
+            produced = one_round()
+            rates.append(produced / (time.perf_counter() - start))
+            assert produced == sum(output_lens), (produced, sum(output_lens))
     finally:
         manager.stop(block=True)
-    assert produced == sum(output_lens), (produced, sum(output_lens))
-    return produced / seconds
+    return statistics.median(rates)
 
 
 def main() -> None:
@@ -148,9 +150,12 @@ def main() -> None:
     mean_context = DECODE_PROMPT_LEN + DECODE_NEW_TOKENS / 2
     roofline = bandwidth / (weight_bytes + kv_bytes_per_token * mean_context)
 
-    engine_rate, engine_prefill = engine_decode_rate(llm, decode_prompt)
-    hf_rate, hf_prefill = hf_decode_rate(model, decode_prompt)
-    engine_tput = engine_throughput(llm, prompts, output_lens)
+    ours, theirs = engine_generate(llm, decode_prompt), hf_generate(model, decode_prompt)
+    ours(8), theirs(8)  # warm-up
+    rounds = [(decode_rate(ours), decode_rate(theirs)) for _ in range(ROUNDS)]
+    engine_rate, engine_prefill = statistics.median(r[0][0] for r in rounds), statistics.median(r[0][1] for r in rounds)
+    hf_rate, hf_prefill = statistics.median(r[1][0] for r in rounds), statistics.median(r[1][1] for r in rounds)
+    engine_tput = statistics.median(engine_throughput(llm, prompts, output_lens) for _ in range(ROUNDS))
     hf_seq_tput = hf_sequential_throughput(model, prompts, output_lens)
     try:
         hf_cb_tput = hf_continuous_batching_throughput(model, prompts, output_lens)

@@ -1,10 +1,11 @@
 """What Ray and Serve cost over the bare engine, measured in one run on the same machine.
 
-Three paths serve the same 16 concurrent streaming requests (fixed prompts, fixed output lengths,
-`ignore_eos`): the bare `engine.LLM` in this process, `atom_ray.start` (Coordinator + one RankWorker
-actor, TP=1), and HTTP streaming through the Serve deployment with the OpenAI API. Reported: output
-tokens/s and each path's ratio to the bare engine, mean time to first token, and the TTFT a single
-request on an idle server pays on each path (the overhead Ray/Serve add to TTFT).
+Three paths serve the same 16 concurrent requests (fixed prompts, fixed output lengths, `ignore_eos`):
+the bare `engine.LLM.generate` in this process, `atom_ray.start(...).generate` (Coordinator + one
+RankWorker actor, TP=1, the same contract), and HTTP streaming through the Serve deployment with the
+OpenAI API. Reported: output tokens/s and each path's ratio to the bare engine, mean time to first token
+at that load, and the time to first token of a single request on an idle engine (bare and Ray:
+`generate` of one token; HTTP: the first streamed chunk), whose difference is what Ray and Serve add.
 
     python -m benchmarks.ray_overhead [--model smollm2-135m] [--out bench_out/ray_overhead.json]
 """
@@ -56,11 +57,24 @@ async def run_streams(stream_fn, prompts, output_lens) -> dict:
     return {"tok_s": sum(produced) / seconds, "seconds": seconds, "mean_ttft_s": statistics.mean(ttfts)}
 
 
-def bare_engine_stream(async_llm):
-    async def stream(prompt, n):
-        async for output in async_llm.generate(prompt, params_for(n)):
-            yield len(output.token_ids)
-    return stream
+def offline_path(generate, prompts, output_lens) -> dict:
+    """engine.LLM / EngineHandle: generate(prompts, params) -> outputs, with request metrics where given."""
+    params = [params_for(n) for n in output_lens]
+    generate(prompts[:2], params[:2])  # warm-up
+    start = time.perf_counter()
+    outputs = generate(prompts, params)
+    seconds = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outputs) == sum(output_lens)
+    result = {"tok_s": sum(output_lens) / seconds, "seconds": seconds}
+    if outputs[0].metrics is not None and outputs[0].metrics.first_token_time is not None:
+        result["mean_ttft_s"] = statistics.mean(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        generate([prompts[0]], [params_for(1)])
+        times.append(time.perf_counter() - start)
+    result["idle_ttft_s"] = statistics.median(times[1:])
+    return result
 
 
 def ray_stream(handle):
@@ -70,10 +84,7 @@ def ray_stream(handle):
     return stream
 
 
-def http_stream(base_url: str, model: str):
-    import httpx
-    client = httpx.AsyncClient(base_url=base_url, timeout=600)
-
+def http_stream(client, model: str):
     async def stream(prompt, n):
         body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -90,6 +101,20 @@ def http_stream(base_url: str, model: str):
                     count += 1  # one chunk per engine step and request carries one token here
                 yield count
     return stream
+
+
+async def measure_streams(stream_fn, prompts, output_lens) -> dict:
+    """Warm-up, the concurrent workload, then the idle single-request TTFT, all in one event loop."""
+    await run_streams(stream_fn, prompts[:2], [4, 4])
+    result = await run_streams(stream_fn, prompts, output_lens)
+    result["idle_ttft_s"] = await single_request_ttft(stream_fn, prompts[0])
+    return result
+
+
+async def measure_http(base_url: str, model: str, prompts, output_lens) -> dict:
+    import httpx
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        return await measure_streams(http_stream(client, model), prompts, output_lens)
 
 
 async def single_request_ttft(stream_fn, prompt: str, repeats: int = 5) -> float:
@@ -120,24 +145,20 @@ def main() -> None:
     import atom_ray
     from atom_ray.serving import wait_until_healthy
     from deployments.serve_app import build_app
-    from engine import EngineConfig
-    from engine.async_llm import AsyncLLM
+    from engine import LLM
 
     engine_args = {"max_model_len": 2048}
     results = {"environment": environment_record(), "model": args.model, "num_requests": NUM_REQUESTS}
 
-    bare = AsyncLLM.from_config(EngineConfig(args.model, **engine_args))
-    prompts, output_lens = workload(bare.tokenizer)
-    asyncio.run(run_streams(bare_engine_stream(bare), prompts[:2], [4, 4]))  # warm-up
-    results["bare"] = asyncio.run(run_streams(bare_engine_stream(bare), prompts, output_lens))
-    results["bare"]["idle_ttft_s"] = asyncio.run(single_request_ttft(bare_engine_stream(bare), prompts[0]))
-    bare.shutdown()
+    bare = LLM(args.model, show_progress=False, **engine_args)
+    prompts, output_lens = workload(bare.get_tokenizer())
+    results["bare"] = offline_path(bare.generate, prompts, output_lens)
+    del bare
 
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
     handle = atom_ray.start(args.model, **engine_args)
-    asyncio.run(run_streams(ray_stream(handle), prompts[:2], [4, 4]))
-    results["ray"] = asyncio.run(run_streams(ray_stream(handle), prompts, output_lens))
-    results["ray"]["idle_ttft_s"] = asyncio.run(single_request_ttft(ray_stream(handle), prompts[0]))
+    results["ray"] = offline_path(handle.generate, prompts, output_lens)
+    results["ray"]["mean_ttft_s"] = asyncio.run(measure_streams(ray_stream(handle), prompts, output_lens))["mean_ttft_s"]
     handle.shutdown()
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
@@ -145,10 +166,7 @@ def main() -> None:
               blocking=False)
     base = f"http://127.0.0.1:{args.port}"
     wait_until_healthy(f"{base}/health", 600)
-    stream = http_stream(base, args.model)
-    asyncio.run(run_streams(stream, prompts[:2], [4, 4]))
-    results["http"] = asyncio.run(run_streams(stream, prompts, output_lens))
-    results["http"]["idle_ttft_s"] = asyncio.run(single_request_ttft(stream, prompts[0]))
+    results["http"] = asyncio.run(measure_http(base, args.model, prompts, output_lens))
     serve.shutdown()
     ray.shutdown()
 
@@ -158,7 +176,7 @@ def main() -> None:
         r = results[path]
         r["ratio_vs_bare"] = r["tok_s"] / bare_tput
         r["added_idle_ttft_ms"] = (r["idle_ttft_s"] - results["bare"]["idle_ttft_s"]) * 1000
-        rows.append((path, f"{r['tok_s']:.1f}", f"{r['ratio_vs_bare']:.2f}x", f"{r['mean_ttft_s'] * 1000:.0f}",
+        rows.append((path, f"{r['tok_s']:.1f}", f"{r['ratio_vs_bare']:.2f}x", f"{r.get('mean_ttft_s', 0) * 1000:.0f}",
                      f"{r['idle_ttft_s'] * 1000:.1f}", f"{r['added_idle_ttft_ms']:+.1f}"))
     print_table(["path", "output tok/s", "vs bare", "mean TTFT ms (16 conc.)", "idle TTFT ms", "added TTFT ms"],
                 rows)

@@ -148,7 +148,11 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None) if remove else self._streams.get(request_id)
         if stream is not None:
             loop, queue_ = stream
-            loop.call_soon_threadsafe(queue_.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(queue_.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is gone: nobody reads this stream any more
+                self._streams.pop(request_id, None)
+                self.engine.abort_request(request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):

@@ -40,6 +40,11 @@ class PendingOutput:
         self._sampled_host, self._event = sampled_host, event
         self.done = False
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether the device may still be running the step (GPUs); on CPU a launch computes it all."""
+        return self._event is not None and not self.done
+
     def wait(self) -> None:
         """Block until the step's sampled ids are on the host (callable from any thread)."""
         if self._event is not None:

@@ -71,3 +71,39 @@ def test_engine_start_failure_is_reported_with_its_cause(ray_cluster, tmp_path):
     from engine.loader import ModelSourceError
     with pytest.raises(ModelSourceError, match="no config.json"):
         atom_ray.start(str(tmp_path))
+
+
+def test_pipelined_plans_survive_aborts_and_preemption(ray_cluster, llama_dir):
+    """Concurrent requests, some left early (aborted), on a KV cache small enough to preempt, while the
+    coordinator keeps two plans in flight: every request ends and every block comes back."""
+    import random
+    engine = atom_ray.start(str(llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=40,
+                            max_num_seqs=16, max_num_batched_tokens=64)
+    rng = random.Random(0)
+
+    async def one(seed):
+        prompt = [rng.randrange(3, 380) for _ in range(rng.randint(5, 120))]
+        leave_after = rng.choice([None, None, 1, 3, 10])
+        count = 0
+        params = SamplingParams(max_tokens=rng.randint(1, 60), ignore_eos=True, temperature=0.7, seed=seed)
+        async for _ in engine.stream(prompt, params):
+            count += 1
+            if leave_after and count >= leave_after:
+                break
+
+    async def waves():
+        for wave in range(3):
+            await asyncio.gather(*(one(wave * 100 + i) for i in range(24)))
+
+    try:
+        asyncio.run(waves())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = engine.stats()
+            if stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]:
+                break
+            time.sleep(0.1)
+        assert stats["num_preemptions"] > 0
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["error"] is None
+    finally:
+        engine.shutdown()

@@ -7,10 +7,15 @@ import torch.nn.functional as F
 from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids] for a [..., n] index: index_select copies whole contiguous blocks, far cheaper on
+    CPU than general advanced indexing."""
+    return cache.index_select(0, block_ids.reshape(-1)).view(*block_ids.shape, *cache.shape[1:])
+
+
 def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one sequence's keys or values: [length, kv_heads, head_size]."""
-    blocks = cache[block_ids]  # [n, block_size, kv_heads, head_size]
-    return blocks.flatten(0, 1)[:length]
+    return gather_blocks(cache, block_ids).flatten(0, 1)[:length]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -56,20 +61,18 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _decode(query, key_cache, value_cache, metadata, scale, block_size):
-    """One query token per sequence, batched: pad every context to the longest one and mask."""
+    """One query token per sequence, batched: every context padded to the longest one and masked."""
     num_seqs, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[-2]
-    seq_lens = metadata.seq_lens[:num_seqs]
-    max_len = max(metadata.seq_lens_cpu[:num_seqs])
+    seq_lens_cpu = metadata.seq_lens_cpu[:num_seqs]
+    max_len = max(seq_lens_cpu)
     num_blocks = -(-max_len // block_size)
     block_ids = metadata.block_table[:num_seqs, :num_blocks]
-    keys = key_cache[block_ids].flatten(1, 2)[:, :max_len]  # [B, L, Hk, D]
-    values = value_cache[block_ids].flatten(1, 2)[:, :max_len]
-    group = num_heads // num_kv_heads
-    q = query.view(num_seqs, num_kv_heads, group, head_size)
-    scores = torch.einsum("bhgd,blhd->bhgl", q.float(), keys.float()) * scale
-    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
-    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
+    keys = gather_blocks(key_cache, block_ids).flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hk, L, D]
+    values = gather_blocks(value_cache, block_ids).flatten(1, 2)[:, :max_len].transpose(1, 2)
+    mask = None
+    if min(seq_lens_cpu) != max_len:
+        positions = torch.arange(max_len, device=query.device)
+        mask = (positions[None, :] < metadata.seq_lens[:num_seqs, None]).view(num_seqs, 1, 1, max_len)
+    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)  # [B, H, 1, D]
+    return out.view(num_seqs, num_heads, head_size)

@@ -10,9 +10,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    # Statistics in float32, the normalised value rounded to the input dtype before the weight
+    # (transformers' order), in one fused op.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -33,12 +33,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
     return torch.stack((o1, o2), dim=-1).flatten(-2)
 
 
+_cos_sin_memo: tuple = ()
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
+    """cos and sin for this step's positions, gathered once per step rather than once per layer."""
+    global _cos_sin_memo
+    key = (positions, cos_sin_cache, dtype)
+    if len(_cos_sin_memo) == 2 and all(a is b for a, b in zip(_cos_sin_memo[0], key)):
+        return _cos_sin_memo[1]
+    cos_sin = cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    _cos_sin_memo = (key, cos_sin)
+    return cos_sin
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """query [T, H, D], key [T, Hk, D]; cos_sin_cache [max_pos, rotary_dim] (cos half, then sin half).
     Only the first rotary_dim features of each head rotate."""
     rotary_dim = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+    cos, sin = _cos_sin(positions, cos_sin_cache, query.dtype)
     out = []
     for x in (query, key):
         if rotary_dim == x.shape[-1]:
