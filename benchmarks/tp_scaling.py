@@ -66,13 +66,57 @@ def agreement(reference, other) -> dict:
             "median_margin_where_different": sorted(differ)[len(differ) // 2] if differ else None}
 
 
+def step_timing(args) -> None:
+    """Batch-1 decode through Ray at TP=1 and TP=2 with engine.runner.worker.StepTimer on every rank."""
+    import ray
+
+    import atom_ray
+    results = {}
+    for tp in (1, 2):
+        folder = Path(args.step_timing_dir).resolve() / f"tp{tp}"
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
+                 runtime_env={"env_vars": {"ATOM_RAY_STEP_TIMING_DIR": str(folder)}})
+        handle = atom_ray.start(args.model, dtype="bfloat16", tensor_parallel_size=tp, **ENGINE_ARGS)
+        try:
+            rate = decode_rate(handle.generate)
+            tokens = greedy_tokens(handle.generate)
+        finally:
+            handle.shutdown()
+            ray.shutdown()
+        ranks = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))}
+        results[f"tp{tp}"] = {"tok_s": rate, "ranks": ranks, "greedy_tokens": tokens}
+        print(f"TP={tp} decode {rate:.1f} tok/s")
+        for name, timing in ranks.items():
+            print(" ", name, {k: round(v, 3) for k, v in timing.items()})
+    from engine import LLM
+    bare = greedy_tokens(LLM(args.model, dtype="bfloat16", show_progress=False, **ENGINE_ARGS).generate)
+    for tp in (1, 2):
+        same = sum(a == b for a, b in zip(bare, results[f"tp{tp}"]["greedy_tokens"]))
+        results[f"tp{tp}"]["greedy_same_as_bare"] = same / len(bare)
+        print(f"TP={tp} through Ray: {same}/{len(bare)} greedy tokens as the bare engine's")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def greedy_tokens(generate) -> list[int]:
+    from engine import SamplingParams
+    rng = random.Random(2)
+    prompt = [rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)]
+    return generate([prompt], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))[0].token_ids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ray-tp1-only", action="store_true",
                         help="one GPU: only the bare engine against atom_ray.start with TP=1")
+    parser.add_argument("--step-timing-dir", default=None,
+                        help="only TP=2 decode, with each rank's step timing (device time, idle gaps) written here")
     args = parser.parse_args()
+    if args.step_timing_dir:
+        step_timing(args)
+        return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray

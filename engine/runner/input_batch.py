@@ -76,8 +76,9 @@ def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, in
         end = begin + n
         known = request.token_ids[start:start + n]
         input_ids[begin:begin + len(known)] = known
-        if len(known) < n:  # the chunk ends with the token still on the device
-            assert request.num_pending == 1 and len(known) == n - 1, (request.request_id, request.num_pending)
+        if len(known) < n:  # the chunk ends with the newest token, still on the device (older pending
+            # tokens were inputs of earlier steps: their KV is written, only their ids are on their way)
+            assert request.num_pending >= 1 and len(known) == n - 1, (request.request_id, request.num_pending)
             pending_positions.append(end - 1)
             pending_rows.append(request.pending_row)
         positions[begin:end] = np.arange(start, start + n)

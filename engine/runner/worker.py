@@ -6,7 +6,12 @@ Peers sit in `follow()` until the leader broadcasts the stop signal.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import statistics
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,6 +28,44 @@ logger = logging.getLogger(__name__)
 _STOP = "stop"
 
 
+class StepTimer:
+    """Diagnostics for multi-GPU stepping (off unless ATOM_RAY_STEP_TIMING_DIR is set): for the first
+    `steps` plans after `skip`, CUDA events around each launch give each step's device time and the idle
+    gap before the next one, plus the host time to launch; rank<r>.json gets the medians."""
+
+    def __init__(self, folder: str, rank: int, skip: int = 20, steps: int = 200) -> None:
+        self.path = Path(folder) / f"rank{rank}.json"
+        self.skip, self.steps = skip, steps
+        self.records: list[tuple] = []
+        self.seen = 0
+
+    def launch(self, fn):
+        self.seen += 1
+        if not self.skip < self.seen <= self.skip + self.steps:
+            return fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host_start = time.perf_counter()
+        start.record()
+        result = fn()
+        end.record()
+        self.records.append((start, end, time.perf_counter() - host_start))
+        if len(self.records) == self.steps:
+            self._write()
+        return result
+
+    def _write(self) -> None:
+        torch.cuda.synchronize()
+        device_ms = [s.elapsed_time(e) for s, e, _ in self.records]
+        gaps_ms = [a[1].elapsed_time(b[0]) for a, b in zip(self.records, self.records[1:])]
+        host_ms = [h * 1e3 for _, _, h in self.records]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({
+            "steps": len(device_ms), "device_ms_median": statistics.median(device_ms),
+            "gap_ms_median": statistics.median(gaps_ms), "gap_ms_mean": statistics.mean(gaps_ms),
+            "host_launch_ms_median": statistics.median(host_ms),
+            "wall_per_step_ms": self.records[0][0].elapsed_time(self.records[-1][1]) / len(device_ms)}))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, world_size: int, init_method: str,
                  max_model_len: int, eos_token_ids: frozenset[int]) -> None:
@@ -34,6 +77,13 @@ class Worker:
         source = resolve_model(config.model, config.load_format, config.hf_overrides)
         self.runner = ModelRunner(config, source, self.device, max_model_len, eos_token_ids,
                                   show_progress=rank == 0)
+        timing_dir = os.environ.get("ATOM_RAY_STEP_TIMING_DIR")
+        self.timer = StepTimer(timing_dir, rank) if timing_dir and self.device.type == "cuda" else None
+
+    def _launch(self, scheduled: SchedulerOutput) -> PendingOutput:
+        if self.timer is None:
+            return self.runner.execute_async(scheduled)
+        return self.timer.launch(lambda: self.runner.execute_async(scheduled))
 
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
@@ -46,7 +96,7 @@ class Worker:
         assert self.rank == 0
         if self.world_size > 1:
             self._broadcast(scheduled)
-        return self.runner.execute_async(scheduled)
+        return self._launch(scheduled)
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:
         return self.execute_async(scheduled).result()
@@ -60,7 +110,7 @@ class Worker:
             scheduled = self._broadcast(None)
             if scheduled == _STOP:
                 break
-            launched = self.runner.execute_async(scheduled)
+            launched = self._launch(scheduled)
             if previous is not None:
                 previous.result()
             previous = launched

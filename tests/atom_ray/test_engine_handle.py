@@ -75,7 +75,7 @@ def test_engine_start_failure_is_reported_with_its_cause(ray_cluster, tmp_path):
 
 def test_pipelined_plans_survive_aborts_and_preemption(ray_cluster, llama_dir):
     """Concurrent requests, some left early (aborted), on a KV cache small enough to preempt, while the
-    coordinator keeps two plans in flight: every request ends and every block comes back."""
+    coordinator keeps several plans in flight: every request ends and every block comes back."""
     import random
     engine = atom_ray.start(str(llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=40,
                             max_num_seqs=16, max_num_batched_tokens=64)
