@@ -3,9 +3,11 @@
 Three paths serve the same 16 concurrent requests (fixed prompts, fixed output lengths, `ignore_eos`):
 the bare `engine.LLM.generate` in this process, `atom_ray.start(...).generate` (Coordinator + one
 RankWorker actor, TP=1, the same contract), and HTTP streaming through the Serve deployment with the
-OpenAI API. Reported: output tokens/s and each path's ratio to the bare engine, mean time to first token
-at that load, and the time to first token of a single request on an idle engine (bare and Ray:
-`generate` of one token; HTTP: the first streamed chunk), whose difference is what Ray and Serve add.
+OpenAI API. Reported: output tokens/s and each path's ratio to the bare engine (measured right before and
+after that path, to follow a drifting machine), the mean time to first token of the streamed paths at
+that load, and the time to first token of a one-token request on an idle engine, alternating requests to
+the bare engine and to the path so that both see the same machine; the difference of the medians is what
+Ray and Serve add.
 
     python -m benchmarks.ray_overhead [--model smollm2-135m] [--out bench_out/ray_overhead.json]
 """
@@ -58,23 +60,14 @@ async def run_streams(stream_fn, prompts, output_lens) -> dict:
 
 
 def offline_path(generate, prompts, output_lens) -> dict:
-    """engine.LLM / EngineHandle: generate(prompts, params) -> outputs, with request metrics where given."""
+    """engine.LLM / EngineHandle: generate(prompts, params) -> outputs; output tokens/s."""
     params = [params_for(n) for n in output_lens]
     generate(prompts[:2], params[:2])  # warm-up
     start = time.perf_counter()
     outputs = generate(prompts, params)
     seconds = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outputs) == sum(output_lens)
-    result = {"tok_s": sum(output_lens) / seconds, "seconds": seconds}
-    if outputs[0].metrics is not None and outputs[0].metrics.first_token_time is not None:
-        result["mean_ttft_s"] = statistics.mean(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs)
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        generate([prompts[0]], [params_for(1)])
-        times.append(time.perf_counter() - start)
-    result["idle_ttft_s"] = statistics.median(times[1:])
-    return result
+    return {"tok_s": sum(output_lens) / seconds, "seconds": seconds}
 
 
 def ray_stream(handle):
@@ -102,33 +95,38 @@ def http_stream(client, model: str):
     return stream
 
 
-async def measure_streams(stream_fn, prompts, output_lens) -> dict:
-    """Warm-up, the concurrent workload, then the idle single-request TTFT, all in one event loop."""
+async def measure_streams(stream_fn, prompts, output_lens, bare_generate) -> dict:
+    """Warm-up, the concurrent workload, then idle TTFT alternating with the bare engine."""
     await run_streams(stream_fn, prompts[:2], [4, 4])
     result = await run_streams(stream_fn, prompts, output_lens)
-    result["idle_ttft_s"] = await single_request_ttft(stream_fn, prompts[0])
+    result.update(await interleaved_idle_ttft(stream_fn, bare_generate, prompts[0]))
     return result
 
 
-async def measure_http(base_url: str, model: str, prompts, output_lens) -> dict:
+async def measure_http(base_url: str, model: str, prompts, output_lens, bare_generate) -> dict:
     import httpx
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-        return await measure_streams(http_stream(client, model), prompts, output_lens)
+        return await measure_streams(http_stream(client, model), prompts, output_lens, bare_generate)
 
 
-async def single_request_ttft(stream_fn, prompt: str, repeats: int = 7) -> float:
-    """Median time to the first token of a one-token request on an idle engine (each stream is read to
-    its end, so no step of an earlier request is still running when the next one arrives)."""
-    times = []
-    for _ in range(repeats):
+async def interleaved_idle_ttft(stream_fn, bare_generate, prompt: str, rounds: int = 9) -> dict:
+    """Median time to the first token of a one-token request on an idle engine, through the path and
+    through the bare engine in turn (each stream read to its end, so no step of an earlier request is
+    still running when the next one arrives); the first round is a warm-up."""
+    bare, path = [], []
+    for _ in range(rounds):
         start = time.perf_counter()
-        first = None
+        bare_generate([prompt], [params_for(1)])
+        bare.append(time.perf_counter() - start)
+        await asyncio.sleep(0.1)
+        start, first = time.perf_counter(), None
         async for count in stream_fn(prompt, 1):
             if first is None and count > 0:
                 first = time.perf_counter() - start
-        times.append(first)
-        await asyncio.sleep(0.2)
-    return statistics.median(times[1:])
+        path.append(first)
+        await asyncio.sleep(0.1)
+    bare_s, path_s = statistics.median(bare[1:]), statistics.median(path[1:])
+    return {"idle_ttft_s": path_s, "bare_idle_ttft_s": bare_s, "added_idle_ttft_ms": (path_s - bare_s) * 1000}
 
 
 def main() -> None:
@@ -154,34 +152,38 @@ def main() -> None:
 
     bare = LLM(args.model, show_progress=False, **engine_args)
     prompts, output_lens = workload(bare.get_tokenizer())
-    results["bare"] = offline_path(bare.generate, prompts, output_lens)
-    del bare
+    bare_runs = [offline_path(bare.generate, prompts, output_lens)["tok_s"]]
 
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
     handle = atom_ray.start(args.model, **engine_args)
     results["ray"] = offline_path(handle.generate, prompts, output_lens)
-    results["ray"]["mean_ttft_s"] = asyncio.run(measure_streams(ray_stream(handle), prompts, output_lens))["mean_ttft_s"]
+    results["ray"].update({k: v for k, v in asyncio.run(measure_streams(
+        ray_stream(handle), prompts, output_lens, bare.generate)).items() if k not in ("tok_s", "seconds")})
     handle.shutdown()
+    bare_runs.append(offline_path(bare.generate, prompts, output_lens)["tok_s"])
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     serve.run(build_app({"model": args.model, "engine_args": engine_args}), name="bench", route_prefix="/",
               blocking=False)
     base = f"http://127.0.0.1:{args.port}"
     wait_until_healthy(f"{base}/health", 600)
-    results["http"] = asyncio.run(measure_http(base, args.model, prompts, output_lens))
+    results["http"] = asyncio.run(measure_http(base, args.model, prompts, output_lens, bare.generate))
     serve.shutdown()
     ray.shutdown()
+    bare_runs.append(offline_path(bare.generate, prompts, output_lens)["tok_s"])
 
-    bare_tput = results["bare"]["tok_s"]
-    rows = []
-    for path in ("bare", "ray", "http"):
+    results["bare"] = {"tok_s_runs": bare_runs}
+    results["ray"]["bare_tok_s"] = statistics.mean(bare_runs[:2])
+    results["http"]["bare_tok_s"] = statistics.mean(bare_runs[1:])
+    rows = [("bare", " / ".join(f"{r:.1f}" for r in bare_runs), "1.00x", "-", "-", "-")]
+    for path in ("ray", "http"):
         r = results[path]
-        r["ratio_vs_bare"] = r["tok_s"] / bare_tput
-        r["added_idle_ttft_ms"] = (r["idle_ttft_s"] - results["bare"]["idle_ttft_s"]) * 1000
-        rows.append((path, f"{r['tok_s']:.1f}", f"{r['ratio_vs_bare']:.2f}x", f"{r.get('mean_ttft_s', 0) * 1000:.0f}",
-                     f"{r['idle_ttft_s'] * 1000:.1f}", f"{r['added_idle_ttft_ms']:+.1f}"))
-    print_table(["path", "output tok/s", "vs bare", "mean TTFT ms (16 conc.)", "idle TTFT ms", "added TTFT ms"],
-                rows)
+        r["ratio_vs_bare"] = r["tok_s"] / r["bare_tok_s"]
+        rows.append((path, f"{r['tok_s']:.1f}", f"{r['ratio_vs_bare']:.2f}x", f"{r['mean_ttft_s'] * 1000:.0f}",
+                     f"{r['idle_ttft_s'] * 1000:.1f} (bare {r['bare_idle_ttft_s'] * 1000:.1f})",
+                     f"{r['added_idle_ttft_ms']:+.1f}"))
+    print_table(["path", "output tok/s", "vs bare (before/after)", "mean TTFT ms (16 conc.)", "idle TTFT ms",
+                 "added TTFT ms"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 
