@@ -1,7 +1,7 @@
 """The RankWorker actor: one per GPU rank (on CPU, a share of the cores), wrapping the engine's Worker.
 
-It is an asyncio actor so that the leader takes the next plan (the coordinator keeps two in flight) while
-the GPU still runs the current one: `execute` launches its step, then waits for the sampled ids in a
+It is an asyncio actor so that the leader takes the next plan (the coordinator keeps two or three in
+flight) while the GPU still runs the current one: `execute` launches its step, then waits for the sampled ids in a
 thread, letting the next call launch the following step meanwhile."""
 from __future__ import annotations
 

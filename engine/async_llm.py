@@ -111,22 +111,22 @@ class AsyncLLM:
             self._stats = engine.stats()
         self._refuse_pending_commands()
 
-    def _refuse_pending_commands(self) -> None:
+    def _take_commands(self):
+        """The commands sent so far, oldest first, each taken off the queue."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _refuse_pending_commands(self) -> None:
+        for command in self._take_commands():
             if command[0] == "add":
                 command[-1].set_exception(EngineDeadError("the engine is stopped"))
 
     def _run_commands(self) -> None:
         ran = False
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for command in self._take_commands():
             ran = True
             if command[0] == "add":
                 _, request_id, prompt, params, loop, stream, accepted = command

@@ -37,7 +37,11 @@ _cos_sin_memo: tuple = ()
 
 
 def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
-    """cos and sin for this step's positions, gathered once per step rather than once per layer."""
+    """cos and sin for this step's positions, gathered once per step rather than once per layer. Keyed by
+    identity (the memo keeps the tensors alive, so an id cannot be reused): callers pass a fresh positions
+    tensor each step, never one refilled in place (the runner builds it from the step's host inputs; the
+    graph-captured triton path has its own RoPE). Version counters cannot be checked instead: tensors made
+    under inference_mode do not track them."""
     global _cos_sin_memo
     key = (positions, cos_sin_cache, dtype)
     if len(_cos_sin_memo) == 2 and all(a is b for a, b in zip(_cos_sin_memo[0], key)):
