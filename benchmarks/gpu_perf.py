@@ -70,7 +70,54 @@ def timed_generate(llm, prompts, params) -> float:
 
 
 # ---- latency ----------------------------------------------------------------------------------------------
-def engine_decode_rates(model: str, prompt: list[int], new_tokens: int) -> dict:
+def unfused_rope() -> None:
+    """The kernel sequence before RoPE was fused into the KV-cache write: a separate rotary kernel, then
+    the plain cache write (for before/after comparisons in one run)."""
+    from engine.kernels.attention import apply_rope
+    from engine.kernels.triton.attention import TritonAttentionBackend
+    fused = TritonAttentionBackend.forward
+
+    def forward(query, key, value, kv_cache, metadata, scale, block_size, rope=None):
+        query, key = apply_rope(query, key, rope)
+        return fused(query, key, value, kv_cache, metadata, scale, block_size)
+    TritonAttentionBackend.forward = staticmethod(forward)
+
+
+def long_decode_splits() -> None:
+    """Decode attention as before splits were allowed down to one 64-token tile: no split shorter than
+    256 context tokens (so a batch-1 step walked up to four tiles per program)."""
+    import dataclasses
+
+    from engine.kernels.triton.attention import TritonAttentionBackend
+    build = TritonAttentionBackend.build_metadata.__func__
+
+    def build_metadata(cls, common, block_size):
+        return dataclasses.replace(build(cls, common, block_size), min_split_tokens=256)
+    TritonAttentionBackend.build_metadata = classmethod(build_metadata)
+
+
+def pdl_off() -> None:
+    """Triton kernels launched without programmatic dependent launch."""
+    import os
+
+    from engine.kernels.triton import pdl
+    os.environ["ATOM_RAY_TRITON_PDL"] = "0"
+    pdl._supported.cache_clear()
+
+
+def blas_gemm() -> None:
+    """Every GEMM on the vendor BLAS (cuBLAS), as before the Triton skinny GEMM took decode-sized batches."""
+    from engine.kernels import ops
+    from engine.kernels.torch.ops import gemm
+    ops.gemm = gemm
+
+
+# Applied cumulatively in the order given, each re-timed: e.g. `--variant unfused-rope --variant
+# long-decode-splits` ends at the kernel sequence before both changes.
+KERNEL_VARIANTS = {"pdl-off": pdl_off, "blas-gemm": blas_gemm, "unfused-rope": unfused_rope, "long-decode-splits": long_decode_splits}
+
+
+def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants: tuple[str, ...] = ()) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, show_progress=False)
     engine = llm.engine
@@ -95,6 +142,14 @@ def engine_decode_rates(model: str, prompt: list[int], new_tokens: int) -> dict:
     eager_tokens = [o.token_ids for o in llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32,
                                                                                 ignore_eos=True))]
     results["graph_tokens_equal_eager"] = tokens == eager_tokens
+    runner.graphs = graphs
+    for variant in variants:  # earlier kernel sequences, re-captured into fresh graphs of the same engine
+        KERNEL_VARIANTS[variant]()
+        graphs.capture()
+        results[f"variant {variant}"] = rate()
+        results[f"variant {variant} tokens equal default"] = [
+            o.token_ids for o in llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32,
+                                                                        ignore_eos=True))] == tokens
     del llm, engine, runner, graphs
     free_gpu()
     return results
@@ -141,10 +196,10 @@ def latency(args) -> dict:
     mean_context = 128 + new_tokens / 2
     step_bytes = facts["weight_bytes_per_step"] + facts["kv_bytes_per_token"] * mean_context
     roofline = limits["bandwidth_GBps"] * 1e9 / step_bytes
-    ours = engine_decode_rates(args.model, prompt, new_tokens)
+    ours = engine_decode_rates(args.model, prompt, new_tokens, tuple(args.variant))
     hf = hf_decode_rate(args.model, prompt, new_tokens) if not args.skip_hf else None
     rows = []
-    for variant in ("graphs_and_run_ahead", "graphs_only", "eager"):
+    for variant in ("graphs_and_run_ahead", "graphs_only", "eager") + tuple(f"variant {v}" for v in args.variant):
         rate = ours[variant]
         rows.append((f"atom-ray {variant}", f"{rate:.1f}", f"{rate / roofline:.3f}", f"{rate / hf:.2f}x" if hf else "-"))
     if hf:
@@ -172,6 +227,45 @@ def workload_roofline(config, prompts, output_lens, limits) -> float:
     return decode_tokens / (prefill_s + decode_s)
 
 
+class StepTrace:
+    """Where an offline run's time goes, by kind of step: the time from one step's scheduling to the next
+    (with run-ahead, the device time of a step once the pipeline is full), grouped into steps that carry
+    prompt tokens and decode-only steps by batch size."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.records = engine, []
+
+    def __enter__(self):
+        original = self.engine.schedule_step
+
+        def traced():
+            scheduled = original()
+            if scheduled is not None:
+                decodes = sum(1 for n in scheduled.num_scheduled_tokens.values() if n == 1)
+                self.records.append((time.perf_counter(), decodes, scheduled.total_num_scheduled_tokens - decodes))
+            return scheduled
+        self.engine.schedule_step = traced
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.schedule_step  # back to the class's method
+
+    def summary(self) -> list[dict]:
+        groups: dict[str, list[float]] = {}
+        for (t0, decodes, prompt_tokens), (t1, _, _) in zip(self.records, self.records[1:]):
+            if prompt_tokens:
+                key = "with prompt tokens"
+            else:
+                low = 1 << max(0, (decodes - 1).bit_length() - 1) if decodes > 1 else 1
+                key = f"decode-only, batch {low}..{2 * low - 1}" if decodes > 1 else "decode-only, batch 1"
+            groups.setdefault(key, []).append(t1 - t0)
+        rows = [{"kind": k, "steps": len(v), "seconds": sum(v), "ms_per_step": 1000 * sum(v) / len(v)}
+                for k, v in groups.items()]
+        print_table(["step kind", "steps", "seconds", "ms/step"],
+                    [(r["kind"], r["steps"], f"{r['seconds']:.2f}", f"{r['ms_per_step']:.2f}") for r in rows])
+        return rows
+
+
 def throughput(args) -> dict:
     from engine import LLM, SamplingParams
     from transformers import AutoConfig
@@ -182,7 +276,7 @@ def throughput(args) -> dict:
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=8192, show_progress=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    timed_generate(llm, prompts[:8], params[:8])  # warm-up
+    timed_generate(llm, prompts[:64], params[:64])  # warm-up: every kind of step compiled before timing
     llm.engine.scheduler.block_manager.reset_prefix_cache()
     seconds = timed_generate(llm, prompts, params)
     tok_s = sum(output_lens) / seconds
@@ -193,12 +287,28 @@ def throughput(args) -> dict:
     if args.num_requests:  # the requests a time-limited baseline run gets, for a like-for-like ratio
         n = args.num_requests
         llm.engine.scheduler.block_manager.reset_prefix_cache()
-        sub_seconds = timed_generate(llm, prompts[:n], params[:n])
+        with StepTrace(llm.engine) as trace:
+            sub_seconds = timed_generate(llm, prompts[:n], params[:n])
         subset = {"subset_requests": n, "subset_tok_s": sum(output_lens[:n]) / sub_seconds,
-                  "subset_seconds": sub_seconds}
+                  "subset_seconds": sub_seconds, "subset_steps": trace.summary()}
         rows.append((f"atom-ray, first {n} requests", f"{subset['subset_tok_s']:.0f}", "-", f"{sub_seconds:.1f}"))
+    variants = {}
+    for variant in args.variant:  # earlier kernel sequences on the same engine, graphs re-captured
+        KERNEL_VARIANTS[variant]()
+        llm.engine.executor.runner.graphs.capture()
+        llm.engine.scheduler.block_manager.reset_prefix_cache()
+        v_seconds = timed_generate(llm, prompts, params)
+        variants[variant] = {"tok_s": sum(output_lens) / v_seconds, "seconds": v_seconds}
+        rows.append((f"+ variant {variant}", f"{variants[variant]['tok_s']:.0f}",
+                     f"{variants[variant]['tok_s'] / roofline:.3f}", f"{v_seconds:.1f}"))
+        if args.num_requests:
+            llm.engine.scheduler.block_manager.reset_prefix_cache()
+            v_sub = timed_generate(llm, prompts[:args.num_requests], params[:args.num_requests])
+            variants[variant].update(subset_tok_s=sum(output_lens[:args.num_requests]) / v_sub, subset_seconds=v_sub)
+            rows.append((f"+ variant {variant}, first {args.num_requests}",
+                         f"{variants[variant]['subset_tok_s']:.0f}", "-", f"{v_sub:.1f}"))
     print_table(["offline throughput", "output tok/s", "of roofline", "seconds"], rows)
-    return {"limits": limits, "engine_tok_s": tok_s, "seconds": seconds, "roofline_tok_s": roofline,
+    return {"limits": limits, "engine_tok_s": tok_s, "variants": variants, "seconds": seconds, "roofline_tok_s": roofline,
             "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
             "num_preemptions": stats["num_preemptions"], "num_kv_blocks": stats["num_kv_blocks"], **subset}
 
@@ -245,6 +355,9 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--variant", action="append", default=[], choices=sorted(KERNEL_VARIANTS),
+                        help="latency, throughput: also time this earlier kernel sequence in the same run (repeatable, "
+                             "cumulative)")
     parser.add_argument("--num-requests", type=int, default=None, help="hf-throughput: only the first N requests; throughput: also time the engine on them")
     args = parser.parse_args()
     try:

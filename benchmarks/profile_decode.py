@@ -20,16 +20,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens of each sequence")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from engine import LLM, SamplingParams
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=max(8, args.batch),
               show_progress=False)
     engine, runner = llm.engine, llm.engine.executor.runner
     facts = model_facts(engine.source.hf_config)
     for i in range(args.batch):
-        engine.add_request(f"r{i}", list(range(1000, 1256)), SamplingParams(max_tokens=1000, ignore_eos=True))
-    for _ in range(10):
+        engine.add_request(f"r{i}", list(range(1000 + i, 1000 + i + args.context)), SamplingParams(max_tokens=1000, ignore_eos=True))
+    for _ in range(10 + args.batch * args.context // 2048):  # past every prefill chunk
         engine.step()
 
     graphs, size = runner.graphs, runner.graphs.padded_size(args.batch)
@@ -42,6 +44,7 @@ def main() -> None:
     end.synchronize()
     replay_ms = start.elapsed_time(end) / 50
     body_bytes = facts["weight_bytes_per_step"] - engine.source.hf_config.vocab_size * engine.source.hf_config.hidden_size * 2
+    body_bytes += args.batch * (args.context + 20) * facts["kv_bytes_per_token"]  # the KV cache read at this context
 
     runner.graphs = None
     engine._run_ahead = False
@@ -63,7 +66,7 @@ def main() -> None:
     busy_us = sum(row[2] for row in rows)
     print_table(["kernel", "launches/step", "us/step"], [(n, f"{c:.0f}", f"{t:.1f}") for n, c, t in rows[:25]])
     print(f"eager: {busy_us:.0f} us of kernels per step, {sum(r[1] for r in rows):.0f} launches")
-    print(f"graph replay (layers only): {replay_ms * 1000:.0f} us for {body_bytes / 1e9:.2f} GB "
+    print(f"graph replay (layers only, weights + KV): {replay_ms * 1000:.0f} us for {body_bytes / 1e9:.2f} GB "
           f"= {body_bytes / replay_ms / 1e6:.0f} GB/s")
     if args.out:
         Path(args.out).write_text(json.dumps({

@@ -26,6 +26,18 @@ class CommonAttentionMetadata:
     num_computed_tokens_cpu: list[int]
 
 
+Rope = tuple  # (positions [T], cos_sin_cache [max_position, rotary_dim], is_neox)
+
+
+def apply_rope(query: torch.Tensor, key: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding through the active backend's op: what a backend that cannot fuse it does."""
+    if rope is None:
+        return query, key
+    from engine.kernels import ops  # the dispatch table, filled once the engine chose its backend
+    positions, cos_sin_cache, is_neox = rope
+    return ops.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+
+
 class AttentionBackend(ABC):
     name: str = ""
     # Whether a decode step can be captured in a CUDA graph: launches must depend only on device tensors
@@ -45,6 +57,7 @@ class AttentionBackend(ABC):
     @staticmethod
     @abstractmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata, scale: float, block_size: int) -> torch.Tensor:
-        """Write this step's keys/values into the cache, then attend. query [T, H, D],
+                metadata, scale: float, block_size: int, rope: Rope | None = None) -> torch.Tensor:
+        """Rotate queries and keys by `rope` when given (a backend may fuse this into its cache write; the
+        rest call `apply_rope`), write this step's keys/values into the cache, then attend. query [T, H, D],
         key/value [T, Hk, D]; returns [T, H, D]."""

@@ -16,11 +16,13 @@ class Attention(nn.Module):
         self.backend = active_backend().attention
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner, layout chosen by the backend
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rope=None) -> torch.Tensor:
+        """rope: (positions, cos_sin_cache, is_neox) to rotate queries and keys first (see
+        RotaryEmbedding.rope_args); the backend may fuse the rotation into its KV-cache write."""
         context = get_forward_context()
         out = self.backend.forward(
             query.view(-1, self.num_heads, self.head_size),
             key.view(-1, self.num_kv_heads, self.head_size),
             value.view(-1, self.num_kv_heads, self.head_size),
-            self.kv_cache, context.attn_metadata, self.scale, context.block_size)
+            self.kv_cache, context.attn_metadata, self.scale, context.block_size, rope)
         return out.view(-1, self.num_heads * self.head_size)

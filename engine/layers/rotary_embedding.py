@@ -70,4 +70,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         """query [T, H, D], key [T, Hk, D] -> rotated (query, key)."""
-        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox_style)
+        return ops.rotary_embedding(positions, query, key, *self.rope_args(positions)[1:])
+
+    def rope_args(self, positions: torch.Tensor) -> tuple:
+        """What the attention layer takes to apply this rotation itself (fused with its cache write where
+        the backend can)."""
+        return positions, self.cos_sin_cache, self.is_neox_style

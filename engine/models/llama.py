@@ -46,8 +46,9 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim)))
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        # The attention backend applies the rotation (fused with its KV-cache write where it can).
+        return self.o_proj(self.attn(q, k, v, rope=self.rotary_emb.rope_args(positions)))
 
 
 class LlamaMLP(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata
+from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata, apply_rope
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,8 @@ class TorchAttentionBackend(AttentionBackend):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
-    def forward(query, key, value, kv_cache, metadata: CommonAttentionMetadata, scale, block_size):
+    def forward(query, key, value, kv_cache, metadata: CommonAttentionMetadata, scale, block_size, rope=None):
+        query, key = apply_rope(query, key, rope)
         if kv_cache is None:  # profiling pass before the cache exists: plain causal prefills
             key_cache = value_cache = None
         else:

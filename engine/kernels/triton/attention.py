@@ -1,4 +1,5 @@
-"""Paged attention in Triton: the KV-cache write, split-K paged decode with its reduction, and a
+"""Paged attention in Triton: the KV-cache write (fused with the rotary embedding when the layer hands
+over its rotation), split-K paged decode with its reduction, and a
 varlen flash-attention prefill that reads cached prefixes through the block table.
 
 KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size] (keys, then values), the same
@@ -14,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata
+from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata, apply_rope
+from engine.kernels.triton import pdl
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -26,7 +28,7 @@ class TritonAttentionMetadata(CommonAttentionMetadata):
     num_prefills: int = 0
     max_decode_seq_len: int = 0
     num_sms: int = 1  # streaming multiprocessors (compute units): split-K aims to fill them
-    min_split_tokens: int = 256  # a decode split never covers fewer context tokens than this
+    min_split_tokens: int = 64  # a decode split never covers fewer context tokens than this (one tile)
     # (num_kv_heads, block_n) -> (num_splits, tiles_per_split); filled by the first layer of a step.
     _decode_plans: dict = field(default_factory=dict, repr=False)
 
@@ -57,7 +59,9 @@ def _dot(a, b, UPCAST: tl.constexpr):
 @triton.jit
 def _cache_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
                         sk_t, sk_h, sv_t, sv_h,
-                        HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr):
+                        HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # a padding token
@@ -70,6 +74,65 @@ def _cache_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, 
     v = tl.load(value_ptr + token * sv_t + heads * sv_h + dims, mask=mask)
     tl.store(k_cache_ptr + dest, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_coefficients(cache_ptr, position, stride_cache, dims, dtype,
+                       HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Per feature d of a head: out[d] = x[d] * cos[d] + x[partner[d]] * sin[d] (sin carries the sign);
+    features past the rotary dimensions keep cos 1, sin 0. The table is rounded to the activation dtype
+    first, as in the reference and the separate rotary kernel."""
+    if IS_NEOX:
+        freq = tl.where(dims < HALF, dims, dims - HALF)
+        partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
+        sign = tl.where(dims < HALF, -1.0, 1.0)
+    else:
+        freq = dims // 2
+        partner = dims + 1 - 2 * (dims % 2)
+        sign = tl.where(dims % 2 == 0, -1.0, 1.0)
+    rotating = dims < 2 * HALF
+    row = cache_ptr + position * stride_cache
+    cos = tl.load(row + freq, mask=rotating, other=1.0).to(dtype).to(tl.float32)
+    sin = tl.load(row + HALF + freq, mask=rotating, other=0.0).to(dtype).to(tl.float32) * sign
+    return cos, sin, partner, rotating
+
+
+@triton.jit
+def _rotated(ptr, dims, partner, rotating, mask, cos, sin):
+    x = tl.load(ptr + dims, mask=mask, other=0.0)
+    x_partner = tl.load(ptr + partner, mask=mask & rotating, other=0.0)
+    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * sin
+
+
+@triton.jit
+def _rope_cache_write_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, table_ptr,
+                             num_heads, num_kv_heads, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, stride_table,
+                             HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr,
+                             IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr):
+    """One token: rotate its query heads in place, rotate its key heads straight into the cache and copy its
+    value heads there (the separate rotary and cache-write kernels in one launch)."""
+    if USE_PDL:
+        pdl.enter()
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(pos_ptr + token).to(tl.int64)
+    dims = tl.arange(0, D_PAD)[None, :]
+    cos, sin, partner, rotating = _rope_coefficients(table_ptr, position, stride_table, dims,
+                                                     q_ptr.dtype.element_ty, HALF, IS_NEOX)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    q_mask = (heads < num_heads) & (dims < HEAD_SIZE)
+    q_rows = q_ptr + token * sq_t + heads * sq_h
+    q = _rotated(q_rows, dims, partner, rotating, q_mask, cos, sin)
+    tl.store(q_rows + dims, q.to(q_ptr.dtype.element_ty), mask=q_mask)
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)  # negative: a padding token, nothing to store
+    kv_heads = tl.arange(0, BLOCK_HK)[:, None]
+    kv_mask = (kv_heads < tl.where(slot >= 0, num_kv_heads, 0)) & (dims < HEAD_SIZE)
+    dest = slot * num_kv_heads * HEAD_SIZE + kv_heads * HEAD_SIZE + dims
+    k = _rotated(key_ptr + token * sk_t + kv_heads * sk_h, dims, partner, rotating, kv_mask, cos, sin)
+    # Rounded to the activation dtype first, exactly as the unfused path stores the rotated key.
+    tl.store(k_cache_ptr + dest, k.to(key_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    v = tl.load(value_ptr + token * sv_t + kv_heads * sv_h + dims, mask=kv_mask)
+    tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -87,7 +150,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_
                    sq_t, sq_h, so_t, so_h, stride_bt, scale_log2,
                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,7 +202,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_heads, tiles_per_split,
                           num_splits, so_t, so_h,
                           HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -191,7 +258,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, query_start_ptr, seq_lens_ptr,
                     scale_log2,
                     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    PAGED: tl.constexpr, UPCAST: tl.constexpr):
+                    PAGED: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
     # Heads vary fastest across the grid, so programs that share a KV head run together and share K/V in L2.
     head = tl.program_id(0)
     m_start = tl.program_id(1) * BLOCK_M
@@ -247,6 +316,22 @@ def _tile_sizes(head_size: int, element_size: int) -> tuple[int, int, int]:
     return 64, 32, 8
 
 
+def _rope_and_cache_write(query, key, value, k_cache, v_cache, slot_mapping, rope, head_size, d_pad) -> None:
+    positions, table, is_neox = rope
+    rotary_dim = table.shape[-1]
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_size, (rotary_dim, head_size)
+    table = table.contiguous()
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    block_h = triton.next_power_of_2(num_heads)
+    _rope_cache_write_kernel[(query.shape[0],)](
+        positions.contiguous(), query, key, value, k_cache, v_cache, slot_mapping, table,
+        num_heads, num_kv_heads, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), table.stride(0),
+        HEAD_SIZE=head_size, D_PAD=d_pad, HALF=rotary_dim // 2, IS_NEOX=is_neox,
+        BLOCK_H=block_h, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        num_warps=max(1, min(8, block_h * d_pad // 512)), **pdl.launch_options(query))
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
@@ -267,7 +352,7 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     @staticmethod
-    def forward(query, key, value, kv_cache, metadata: TritonAttentionMetadata, scale, block_size):
+    def forward(query, key, value, kv_cache, metadata: TritonAttentionMetadata, scale, block_size, rope=None):
         num_tokens, num_heads, head_size = query.shape
         num_kv_heads = key.shape[1]
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -284,14 +369,19 @@ class TritonAttentionBackend(AttentionBackend):
         upcast = query.dtype == torch.bfloat16 and _interpreting()
         if kv_cache is None:
             assert metadata.num_decodes == 0, "decodes need a KV cache"
+            query, key = apply_rope(query, key, rope)
             k_src, v_src = key, value
         else:
             k_cache, v_cache = kv_cache[0], kv_cache[1]
-            block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // d_pad))
-            _cache_write_kernel[(num_tokens, triton.cdiv(num_kv_heads, block_h))](
-                key, value, k_cache, v_cache, metadata.slot_mapping, num_kv_heads,
-                key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                HEAD_SIZE=head_size, BLOCK_H=block_h, D_PAD=d_pad)
+            if rope is not None:  # one kernel: rotate queries in place, rotated keys and values to the cache
+                _rope_and_cache_write(query, key, value, k_cache, v_cache, metadata.slot_mapping, rope,
+                                      head_size, d_pad)
+            else:
+                block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // d_pad))
+                _cache_write_kernel[(num_tokens, triton.cdiv(num_kv_heads, block_h))](
+                    key, value, k_cache, v_cache, metadata.slot_mapping, num_kv_heads,
+                    key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                    HEAD_SIZE=head_size, BLOCK_H=block_h, D_PAD=d_pad, **pdl.launch_options(key))
             k_src, v_src = k_cache, v_cache
             if metadata.num_decodes:
                 _decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size, d_pad,
@@ -305,7 +395,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.block_table.stride(0), scale_log2,
                 GROUP=group, HEAD_SIZE=head_size, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
                 PAGE_SIZE=block_size, PAGED=kv_cache is not None, UPCAST=upcast,
-                num_warps=num_warps, num_stages=2)
+                num_warps=num_warps, num_stages=2, **pdl.launch_options(query))
         return out
 
 
@@ -342,10 +432,10 @@ def _decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_si
         metadata.block_table.stride(0), scale_log2,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size, D_PAD=d_pad,
         BLOCK_N=block_n, PAGE_SIZE=block_size, SINGLE_SPLIT=single, UPCAST=upcast, num_warps=num_warps,
-        num_stages=2)
+        num_stages=2, **pdl.launch_options(query))
     if not single:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_acc, part_ml, out, metadata.seq_lens, num_heads, tiles_per_split, num_splits,
             out.stride(0), out.stride(1),
             HEAD_SIZE=head_size, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
-            num_warps=4)
+            num_warps=4, **pdl.launch_options(out))

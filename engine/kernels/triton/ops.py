@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton import pdl
+
 # Rows up to this many features are normalised from registers in one pass (no spills on sm_90 even in
 # fp32); longer ones take two passes over chunks.
 _MAX_SINGLE_PASS = 16384
@@ -40,7 +42,9 @@ def _row_offsets(rows, inner, stride_outer, stride_inner):
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, n, inner,
                      sx0, sx1, sr0, sr1, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SINGLE_PASS: tl.constexpr):
+                     SINGLE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < num_rows
     x_rows = _row_offsets(rows, inner, sx0, sx1)[:, None]
@@ -101,7 +105,7 @@ def _launch_rms_norm(x, residual, weight, eps):
         rows_x, rows_r, weight.contiguous(), out, res_out, num_rows, n, rows_x.shape[1],
         rows_x.stride(0), rows_x.stride(1), rows_r.stride(0), rows_r.stride(1), eps,
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_N=block_n, SINGLE_PASS=single,
-        num_warps=_num_warps(block_rows * block_n))
+        num_warps=_num_warps(block_rows * block_n), **pdl.launch_options(out))
     return out, res_out
 
 
@@ -138,7 +142,9 @@ def _rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half_idx,
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, num_heads, num_kv_heads,
                    sq_t, sq_h, sk_t, sk_h, stride_cache,
                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(pos_ptr + token).to(tl.int64)
     half_idx = tl.arange(0, HALF_PAD)[None, :]
@@ -177,12 +183,14 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cache.stride(0),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), IS_NEOX=is_neox,
         BLOCK_H=block_h, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        num_warps=_num_warps(block_h * triton.next_power_of_2(half)))
+        num_warps=_num_warps(block_h * triton.next_power_of_2(half)), **pdl.launch_options(query))
     return query, key
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < half
@@ -204,5 +212,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(half))
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(half, block))](
-        rows, out, half, rows.stride(0), BLOCK=block, num_warps=_num_warps(block))
+        rows, out, half, rows.stride(0), BLOCK=block, num_warps=_num_warps(block), **pdl.launch_options(out))
     return out

@@ -23,7 +23,7 @@ from engine.kernels.torch.attention import TorchAttentionBackend  # noqa: E402
 from engine.kernels.torch.sampling import apply_top_k_top_p_min_p  # noqa: E402
 from engine.kernels.torch.sampling import sample as reference_sample  # noqa: E402
 from engine.kernels import triton as triton_backend  # noqa: E402
-from engine.kernels.triton import ops  # noqa: E402
+from engine.kernels.triton import gemv, ops  # noqa: E402
 from engine.kernels.triton.attention import TritonAttentionBackend  # noqa: E402
 from engine.kernels.triton.sampling import sample  # noqa: E402
 
@@ -121,6 +121,39 @@ def test_rotary_embedding_matches_reference_on_qkv_views(dtype, is_neox, head_si
     assert_matches(actual_k, expected_k, dtype)
 
 
+# ---- skinny GEMM ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 70, 300, True), (5, 64, 512, False), (16, 33, 257, True)])
+def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
+    """Outputs and reduction lengths that are not multiples of the tiles, with and without bias."""
+    if ON_GPU:
+        n, k = n * 64, k * 16
+    x, weight = randn(rows, k, dtype=dtype), randn(n, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    for config in (dict(block_n=32, block_k=128), dict(block_n=16, block_k=64), {}):
+        actual = gemv.skinny_gemm(x, weight, b, **config)
+        assert actual.shape == (rows, n) and actual.dtype == dtype
+        if dtype == torch.float32:  # long fp32 sums in another order: error relative to the output's scale
+            assert float((actual.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+        else:
+            assert_matches(actual, expected.to(dtype), dtype)
+
+
+def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows():
+    x = randn(2, 3, 96)[:, :, :64]  # rows with a stride of 96
+    weight = randn(40, 64)
+    assert_matches(gemv.skinny_gemm(x, weight, block_n=16, block_k=32), torch.nn.functional.linear(x, weight),
+                   torch.float32)
+
+
+def test_gemm_op_takes_the_blas_for_large_batches_and_fp32():
+    x, weight = randn(40, 32), randn(24, 32)
+    assert_matches(gemv.gemm(x, weight), torch.nn.functional.linear(x, weight), torch.float32)
+    assert_matches(gemv.gemm(x[:3], weight), torch.nn.functional.linear(x[:3], weight), torch.float32)
+
+
 # ---- attention ----------------------------------------------------------------------------------------
 
 def make_batch(seqs: list[tuple[int, int]], block_size: int, num_blocks: int) -> CommonAttentionMetadata:
@@ -159,7 +192,8 @@ def qkv_views(num_tokens, num_heads, num_kv_heads, head_size, dtype):
             v.reshape(-1, num_kv_heads, head_size))
 
 
-def check_attention(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, **plan_overrides):
+def check_attention(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, rope=None, **plan_overrides):
+    """rope: (rotary_dim, is_neox) to hand the layer's rotation to the backend (fused with the cache write)."""
     num_blocks = sum(-(-(cached + new) // block_size) for cached, new in seqs) + 3
     common = make_batch(seqs, block_size, num_blocks)
     query, key, value = qkv_views(common.num_tokens, num_heads, num_kv_heads, head_size, dtype)
@@ -168,13 +202,26 @@ def check_attention(seqs, num_heads, num_kv_heads, head_size, block_size, dtype,
     cache = randn(*shape, dtype=dtype)  # stands in for the cached prefixes' keys and values
     expected_cache = cache.clone()
     scale = head_size ** -0.5
-    expected = TorchAttentionBackend.forward(query, key, value, expected_cache, common, scale, block_size)
+    rope_args = None
+    if rope is not None:
+        rotary_dim, is_neox = rope
+        positions = torch.tensor([p for (cached, new) in seqs for p in range(cached, cached + new)], device=DEVICE)
+        rope_args = (positions, cos_sin_table(max(c + n for c, n in seqs), rotary_dim), is_neox)
+    expected = TorchAttentionBackend.forward(query.clone(), key.clone(), value, expected_cache, common, scale,
+                                             block_size, rope_args)
     metadata = TritonAttentionBackend.build_metadata(common, block_size)
     if plan_overrides:
         metadata = dataclasses.replace(metadata, **plan_overrides, _decode_plans={})
-    actual = TritonAttentionBackend.forward(query, key, value, cache, metadata, scale, block_size)
-    assert torch.equal(cache, expected_cache), "the cache write must store exactly this step's keys/values"
-    assert_matches(actual, expected, dtype)
+    actual = TritonAttentionBackend.forward(query, key, value, cache, metadata, scale, block_size, rope_args)
+    if rope is None:
+        assert torch.equal(cache, expected_cache), "the cache write must store exactly this step's keys/values"
+        assert_matches(actual, expected, dtype)
+    else:
+        # The kernel rotates in fp32, torch in the activation dtype: half-precision keys may differ by an
+        # ulp, which the softmax can double in the output.
+        assert_matches(cache, expected_cache, dtype)
+        loose = {k: 2 * v for k, v in TOLERANCE[dtype].items()} if dtype != torch.float32 else TOLERANCE[dtype]
+        torch.testing.assert_close(actual.float(), expected.float(), **loose)
     return metadata
 
 
@@ -217,6 +264,38 @@ def test_decode_split_k_matches_reference(dtype):
     metadata = check_attention(seqs, 8, 2, 64, 16, dtype, num_sms=64, min_split_tokens=16)
     num_splits, _ = next(iter(metadata._decode_plans.values()))
     assert num_splits >= 4
+
+
+@pytest.mark.parametrize("dtype,is_neox,head_size,rotary_dim", [
+    (torch.float32, True, 64, 64), (torch.bfloat16, False, 128, 64), (torch.float32, False, 96, 48),
+    (torch.bfloat16, True, 128, 128),
+], ids=["fp32-neox-d64", "bf16-gptj-d128-partial", "fp32-gptj-d96-partial", "bf16-neox-d128"])
+def test_attention_with_rope_fused_into_the_cache_write(dtype, is_neox, head_size, rotary_dim):
+    """The layer hands its rotation to the backend: queries and cached keys rotated as the separate rotary
+    op would, for decodes, fresh prompts and chunks after a cached prefix."""
+    heads = (32, 8) if ON_GPU else (4, 2)
+    check_attention(mixed_seqs(16), *heads, head_size, 16, dtype, rope=(rotary_dim, is_neox))
+
+
+def test_fused_rope_cache_write_equals_the_separate_kernels():
+    """Bit for bit what ops.rotary_embedding followed by the plain cache write stores (bf16)."""
+    seqs = [(16, 1), (40, 1), (0, 9)]
+    common = make_batch(seqs, 16, 8)
+    common.slot_mapping[5] = -1  # a padding token: its query still rotates, nothing reaches the cache
+    metadata = TritonAttentionBackend.build_metadata(common, 16)
+    query, key, value = qkv_views(common.num_tokens, 4, 2, 128, torch.bfloat16)
+    positions = torch.tensor([16, 40] + list(range(9)), device=DEVICE)
+    table = cos_sin_table(64, 128)
+    fused_cache = torch.zeros(TritonAttentionBackend.kv_cache_shape(8, 16, 2, 128), device=DEVICE,
+                              dtype=torch.bfloat16)
+    separate_cache = fused_cache.clone()
+    q_sep, k_sep = ops.rotary_embedding(positions, query.clone(), key.clone(), table, True)
+    separate = TritonAttentionBackend.forward(q_sep, k_sep, value, separate_cache, metadata, 0.1, 16)
+    fused = TritonAttentionBackend.forward(query, key, value, fused_cache, metadata, 0.1, 16, (positions, table, True))
+    assert torch.equal(query, q_sep), "queries rotate in place"
+    assert torch.equal(fused_cache, separate_cache)
+    assert torch.equal(fused, separate)
+    assert int((fused_cache[0].flatten(0, 1).abs().sum(dim=(1, 2)) > 0).sum()) == len(positions) - 1
 
 
 def test_decode_only_and_prefill_only_batches():
@@ -331,8 +410,8 @@ def test_sampling_frequencies_follow_the_distribution(temperature, top_k):
 
 # ---- the backend as the registry sees it ---------------------------------------------------------------
 
-def test_backend_offers_every_op_but_gemm_and_refuses_cpu():
-    assert set(triton_backend.BACKEND.ops) == set(OPS) - {"gemm"}
+def test_backend_offers_every_op_and_refuses_cpu():
+    assert set(triton_backend.BACKEND.ops) == set(OPS)
     assert triton_backend.BACKEND.attention is TritonAttentionBackend
     assert triton_backend.available(torch.device("cpu")) is not None
     if ON_GPU:

@@ -1,0 +1,134 @@
+"""Decode-sized GEMMs (a few rows against each projection of a model) on the GPU: the vendor BLAS
+(`F.linear`) against the Triton skinny GEMM over a sweep of its tile configurations, as bandwidth
+(weight bytes / time) and as a share of the measured copy and read bandwidths.
+
+Each timed call reads a different copy of the weight (copies totalling > 4x the L2 cache, cycled inside a
+CUDA graph) so that, as in a real decode step, no weight is served from L2.
+
+    python -m benchmarks.gemm_bench --out gemm.json [--model benchmarks/configs/llama-3.1-8b] [--tp 1]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import environment_record, print_table
+
+CONFIGS = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)
+           for bn, bk, st, w in itertools.product((16, 32, 64), (128, 256, 512), (3, 5), (4, 8))
+           if bn * bk <= 16384]
+
+
+def projection_shapes(config: dict, tp: int) -> dict[str, tuple[int, int]]:
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    return {
+        "qkv": ((heads + 2 * kv_heads) * head_dim // tp, hidden),
+        "o": (hidden, heads * head_dim // tp),
+        "gate_up": (2 * inter // tp, hidden),
+        "down": (hidden, inter // tp),
+        "lm_head": (config["vocab_size"] // tp, hidden),
+    }
+
+
+def time_calls(calls: list, replays: int = 10) -> float:
+    """Microseconds per call, the calls captured back to back in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:3]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * len(calls))
+
+
+def read_bandwidth_gbps() -> float:
+    x = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")  # 1 GiB
+    x.fill_(1.0)
+    us = time_calls([lambda: torch.sum(x, dtype=torch.float32)] * 4)
+    return x.numel() * 2 / (us * 1e-6) / 1e9
+
+
+def copy_bandwidth_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_calls([lambda: dst.copy_(src)] * 4)
+    return 2 * src.numel() / (us * 1e-6) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
+    parser.add_argument("--tp", type=int, default=1, help="shapes of one rank at this tensor-parallel size")
+    parser.add_argument("--rows", default="1,8,16")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from engine.kernels.triton.gemv import MAX_ROWS, default_config, skinny_gemm
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    copy_bw, read_bw = copy_bandwidth_gbps(), read_bandwidth_gbps()
+    print(f"copy {copy_bw:.0f} GB/s, read {read_bw:.0f} GB/s, L2 {l2_bytes >> 20} MiB, TP={args.tp}")
+    rows_out, table = [], []
+    for name, (n, k) in projection_shapes(config, args.tp).items():
+        weight_bytes = n * k * 2
+        copies = max(2, -(-4 * l2_bytes // weight_bytes))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            expected = F.linear(x, weights[0])
+            blas_us = time_calls([lambda w=w: F.linear(x, w) for w in weights])
+            best = None
+            for cfg in CONFIGS:
+                try:
+                    got = skinny_gemm(x, weights[0], None, **cfg)
+                    error = float((got.float() - expected.float()).abs().max() / expected.float().abs().max())
+                    if error > 2e-2:
+                        raise AssertionError(f"error {error:.3g}")
+                    us = time_calls([lambda w=w: skinny_gemm(x, w, None, **cfg) for w in weights])
+                except Exception as exc:  # a config that does not fit this GPU: skip it
+                    print(f"  {name} m={m} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            rule = default_config(n, k)
+            rule_us = time_calls([lambda w=w: skinny_gemm(x, w, None, **rule) for w in weights]) \
+                if m <= MAX_ROWS else float("nan")  # the engine only runs the kernel up to MAX_ROWS
+            row = dict(name=name, n=n, k=k, m=m, weight_mb=weight_bytes / 1e6, blas_us=blas_us, rule_us=rule_us,
+                       blas_gbps=weight_bytes / (blas_us * 1e-6) / 1e9,
+                       triton_us=best[0] if best else None, triton_config=best[1] if best else None,
+                       triton_gbps=weight_bytes / (best[0] * 1e-6) / 1e9 if best else None)
+            rows_out.append(row)
+            table.append((name, f"{n}x{k}", m, f"{blas_us:.1f}", f"{row['blas_gbps']:.0f}",
+                          f"{row['blas_gbps'] / read_bw:.2f}",
+                          f"{row['triton_us']:.1f}" if best else "-",
+                          f"{row['triton_gbps']:.0f}" if best else "-",
+                          f"{blas_us / best[0]:.2f}" if best else "-", f"{blas_us / rule_us:.2f}",
+                          json.dumps(best[1]) if best else "-"))
+        del weights
+        torch.cuda.empty_cache()
+    print_table(["proj", "N x K", "rows", "BLAS us", "BLAS GB/s", "of read bw", "triton us", "triton GB/s",
+                 "best speedup", "engine-rule speedup", "best config"], table)
+    Path(args.out).write_text(json.dumps({"environment": environment_record(), "tp": args.tp,
+                                          "copy_gbps": copy_bw, "read_gbps": read_bw, "rows": rows_out}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
