@@ -16,7 +16,6 @@ from .errors import too_many_requests
 from .metrics import AppMetrics, RequestTimer
 
 T = TypeVar("T")
-DISCONNECT_POLL_SECONDS = 0.25
 
 
 class ClientDisconnected(Exception):
@@ -136,15 +135,26 @@ class EngineRequests:
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and raising ClientDisconnected) if the HTTP client goes away first."""
+    """Await `work`, cancelling it (and raising ClientDisconnected) if the HTTP client goes away first.
+    The body has been read by now, so the next ASGI message is the disconnect: it is awaited, not polled
+    for (uvicorn and Serve's proxy repeat it to later readers such as the streaming response)."""
     task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientDisconnected()
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientDisconnected()
     finally:
-        if not task.done():
-            task.cancel()
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (a receive channel that fails counts as gone)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        pass

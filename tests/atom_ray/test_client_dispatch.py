@@ -1,0 +1,65 @@
+"""RayEngineClient's fan-out: a batch of outputs polled from the coordinator reaches each waiting request,
+in order, with one hand-over per event loop (not one per request)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from atom_ray.client import RayEngineClient, _Stream
+from atom_ray.coordinator import CompletionDelta, OutputDelta
+
+
+class _NoCoordinator:
+    """abort() is the only coordinator call a dispatch can make."""
+
+    class abort:
+        calls: list = []
+
+        @classmethod
+        def remote(cls, request_ids):
+            cls.calls.append(request_ids)
+
+
+def _client() -> RayEngineClient:
+    client = RayEngineClient.__new__(RayEngineClient)  # no poll thread: the test plays the poller
+    client.coordinator, client._streams, client._lock = _NoCoordinator, {}, threading.Lock()
+    return client
+
+
+def _delta(request_id: str, token: int, text: str, finished: bool = False) -> OutputDelta:
+    return OutputDelta(request_id, [CompletionDelta(0, text, [token], None, "length" if finished else None, None)],
+                       finished, 0, prompt_token_ids=[1, 2])
+
+
+def test_a_polled_batch_reaches_every_reader_in_order_with_one_hand_over_per_loop():
+    # Streams are popped when they finish: the test keeps its own references.
+    async def run_and_read():
+        loop = asyncio.get_running_loop()
+        client = _client()
+        streams = {name: _Stream(loop, "p") for name in ("a", "b")}
+        client._streams = dict(streams)
+        hand_overs = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda callback, *args: (hand_overs.append(callback), original(callback, *args))[1]
+        batch = [_delta("a", 7, " x"), _delta("b", 8, " y"), _delta("a", 9, " z", finished=True)]
+        await asyncio.to_thread(client._dispatch, batch)
+        a = [await streams["a"].queue.get(), await streams["a"].queue.get()]
+        b = [await streams["b"].queue.get()]
+        return client, hand_overs, a, b
+
+    client, hand_overs, a, b = asyncio.run(run_and_read())
+    assert [callback.__name__ for callback in hand_overs].count("_put_all") == 1  # to_thread adds its own
+    assert [o.outputs[0].token_ids for o in a] == [[7], [7, 9]] and a[-1].text == " x z" and a[-1].finished
+    assert [o.outputs[0].new_text for o in a] == [" x", " z"]
+    assert b[0].outputs[0].token_ids == [8] and not b[0].finished
+    assert set(client._streams) == {"b"}  # a finished request is forgotten
+
+
+def test_outputs_for_a_reader_whose_loop_has_closed_abort_its_request():
+    loop = asyncio.new_event_loop()
+    client = _client()
+    client._streams = {"gone": _Stream(loop, "p")}
+    loop.close()
+    _NoCoordinator.abort.calls.clear()
+    client._dispatch([_delta("gone", 7, " x")])
+    assert _NoCoordinator.abort.calls == [["gone"]]
