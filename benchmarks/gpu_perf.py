@@ -256,7 +256,7 @@ class StepTrace:
             if prompt_tokens:
                 key = "with prompt tokens"
             else:
-                low = 1 << max(0, (decodes - 1).bit_length() - 1) if decodes > 1 else 1
+                low = 1 << (decodes.bit_length() - 1)
                 key = f"decode-only, batch {low}..{2 * low - 1}" if decodes > 1 else "decode-only, batch 1"
             groups.setdefault(key, []).append(t1 - t0)
         rows = [{"kind": k, "steps": len(v), "seconds": sum(v), "ms_per_step": 1000 * sum(v) / len(v)}
