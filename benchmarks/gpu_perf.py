@@ -96,6 +96,20 @@ def long_decode_splits() -> None:
     TritonAttentionBackend.build_metadata = classmethod(build_metadata)
 
 
+def l2_prefetch(bytes_per_row: int):
+    def apply() -> None:
+        """The skinny GEMM prefetching more of each weight row into L2 (a tuning probe)."""
+        from engine.kernels.triton import gemv
+        gemv.PREFETCH_BYTES_PER_ROW = bytes_per_row
+    return apply
+
+
+def no_l2_prefetch() -> None:
+    """The skinny GEMM without its weight prefetch into L2 ahead of the previous kernel's end."""
+    from engine.kernels.triton import gemv
+    gemv.PREFETCH_BYTES_PER_ROW = 0
+
+
 def pdl_off() -> None:
     """Triton kernels launched without programmatic dependent launch."""
     import os
@@ -114,7 +128,8 @@ def blas_gemm() -> None:
 
 # Applied cumulatively in the order given, each re-timed: e.g. `--variant unfused-rope --variant
 # long-decode-splits` ends at the kernel sequence before both changes.
-KERNEL_VARIANTS = {"pdl-off": pdl_off, "blas-gemm": blas_gemm, "unfused-rope": unfused_rope, "long-decode-splits": long_decode_splits}
+KERNEL_VARIANTS = {"l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
+                   "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm, "unfused-rope": unfused_rope, "long-decode-splits": long_decode_splits}
 
 
 def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants: tuple[str, ...] = ()) -> dict:

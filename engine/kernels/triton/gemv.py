@@ -9,8 +9,6 @@ a plain `sum` read of 1 GiB. Larger batches are compute-shaped and stay on the B
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -29,18 +27,30 @@ def _mma(acc, x, w, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                        USE_PDL: tl.constexpr):
-    if USE_PDL:
-        pdl.enter()
+                        USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     col_mask = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    if USE_PDL:
+        if PREFETCH_LINES > 0:
+            # While the previous kernel finishes: pull the start of this program's weight rows into L2
+            # (no kernel writes weights, so reading them before the wait cannot race).
+            starts = tl.arange(0, PREFETCH_LINES) * LINE
+            ptrs = tl.where(col_mask[:, None] & (starts < K)[None, :], w_rows + starts[None, :], w_ptr)
+            _prefetch_l2(ptrs)
+        pdl.enter()
     row_mask = (rows < M)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -54,51 +64,59 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
              mask=(rows[:, None] < M) & col_mask[None, :])
 
 
-MAX_ROWS = 16  # the kernel takes up to 64 rows; the backend uses it where it measured faster than the BLAS
+MAX_ROWS = 16  # the kernel takes up to 128 rows; the backend uses it where it measured faster than the BLAS
+# Under programmatic dependent launch, each program prefetches this much of each of its weight rows into L2
+# before waiting for the previous kernel (0: off).
+PREFETCH_BYTES_PER_ROW = 2048
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_memory_bytes(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
-
-
-def default_config(n: int, k: int, element_size: int = 2, rows_tile: int = 16,
-                   shared_memory: int = 227 * 1024) -> dict:
-    """Tiles that measured best or within a few per cent of best in the H100 sweeps of the Llama-3.1-8B
-    projections at TP=1 and TP=2 (bf16): 32 output features per program, long K tiles for long or tall
-    weights, five pipeline stages; then K tiles and stages cut down until the pipeline's buffers (a
-    weight and an activation tile per stage but the last) fit in `shared_memory`."""
-    block_n, num_stages = 32, 5
-    block_k = 512 if k >= 8192 or n >= 12288 else 256
+def _candidate_tiles(n: int, k: int, element_size: int):
+    """Tiles in order of preference. First those that measured best or within a few per cent of best in
+    the H100 sweeps of the Llama-3.1-8B projections at TP=1 and TP=2 (bf16, up to 16 rows): 32 output
+    features per program, long K tiles for long or tall weights, five pipeline stages. Then shorter K tiles
+    and fewer stages, for GPUs with less shared memory and for more rows."""
+    block_k, stages = (512 if k >= 8192 or n >= 12288 else 256), 5
     if element_size > 2:  # fp32 is not a speed path
-        block_k, num_stages = 128, 3
-
-    def buffers(block_k, stages):
-        return (stages - 1) * (block_n + rows_tile) * block_k * element_size
-
-    while buffers(block_k, num_stages) > shared_memory and block_k > 64:
+        block_k, stages = 128, 3
+    while block_k >= 64:
+        for num_stages in (stages, stages - 1):
+            yield dict(block_n=32, block_k=block_k, num_stages=num_stages, num_warps=4)
         block_k //= 2
-    while buffers(block_k, num_stages) > shared_memory and num_stages > 2:
-        num_stages -= 1
-    return dict(block_n=block_n, block_k=block_k, num_stages=num_stages, num_warps=4)
+    yield dict(block_n=32, block_k=64, num_stages=2, num_warps=4)
+
+
+_fitted: dict[tuple, dict] = {}  # (N, K, dtype, row tile, device) -> the first candidate that launched
+
+
+def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    key = (weight.shape[0], weight.shape[1], x.dtype, max(16, triton.next_power_of_2(rows)), x.device)
+    tiles = _fitted.get(key)
+    if tiles is not None:
+        return skinny_gemm(x, weight, bias, **tiles)
+    error = None
+    for tiles in _candidate_tiles(weight.shape[0], weight.shape[1], x.element_size()):
+        try:  # a launch whose buffers do not fit this GPU's shared memory fails before it runs
+            out = skinny_gemm(x, weight, bias, **tiles)
+        except triton.runtime.errors.OutOfResources as exc:
+            error = exc
+            continue
+        _fitted[key] = tiles
+        return out
+    raise error
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 block_n: int | None = None, block_k: int = 256, num_stages: int = 4,
                 num_warps: int = 4) -> torch.Tensor:
-    """x [..., K] with at most 64 rows, weight [N, K] (contiguous rows), bias [N] or None. Tile sizes
-    default to `default_config` (fitted to this GPU's shared memory)."""
+    """x [..., K] with at most 128 rows, weight [N, K] (contiguous rows), bias [N] or None. Without tile
+    sizes: the preferred tiles that fit this GPU (found at the first call of each shape, then kept)."""
     if block_n is None:
-        rows = x.numel() // x.shape[-1]
-        config = default_config(weight.shape[0], weight.shape[1], x.element_size(),
-                                max(16, triton.next_power_of_2(rows)),
-                                _shared_memory_bytes(x.device.index) if x.is_cuda else 227 * 1024)
-        return skinny_gemm(x, weight, bias, **config)
+        return _launch_fitted(x, weight, bias)
     k = x.shape[-1]
     rows = x.reshape(-1, x.shape[-1])
     m, n = rows.shape[0], weight.shape[0]
-    assert m <= 64 and weight.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert m <= 128 and weight.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -109,7 +127,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_stages=num_stages, num_warps=num_warps,
-        **pdl.launch_options(out))
+        PREFETCH_LINES=PREFETCH_BYTES_PER_ROW // 128, LINE=128 // weight.element_size(), **pdl.launch_options(out))
     return out.view(*x.shape[:-1], n)
 
 
