@@ -148,6 +148,52 @@ def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows():
                    torch.float32)
 
 
+def test_skinny_gemm_tiles_shrink_until_they_fit(monkeypatch):
+    """A tile whose buffers do not fit the GPU's shared memory fails at launch; the next candidate is
+    tried and the one that launched is kept for the shape."""
+    from triton.runtime.errors import OutOfResources
+    tried = []
+    real = gemv.skinny_gemm
+
+    def fake(x, weight, bias=None, **tiles):
+        if not tiles:
+            return real(x, weight, bias)
+        tried.append(tiles)
+        if tiles["block_k"] > 128:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return real(x, weight, bias, **tiles)
+
+    monkeypatch.setattr(gemv, "skinny_gemm", fake)
+    monkeypatch.setattr(gemv, "_fitted", {})
+    # bf16 with long rows: the preferred K tile is 512
+    x, weight = randn(2, 8192, dtype=torch.bfloat16), randn(40, 8192, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x.double(), weight.double())
+    actual = gemv.skinny_gemm(x, weight)
+    assert float((actual.double() - expected).abs().max() / expected.abs().max()) < 2e-2
+    assert [t["block_k"] for t in tried] == [512, 512, 256, 256, 128]
+    assert len(gemv._fitted) == 1 and next(iter(gemv._fitted.values()))["block_k"] == 128
+    tried.clear()
+    gemv.skinny_gemm(x, weight)
+    assert [t["block_k"] for t in tried] == [128], "the fitted tiles are reused"
+
+
+def test_candidate_tiles_start_from_the_measured_best():
+    first = next(gemv._candidate_tiles(4096, 14336, 2))
+    assert first == dict(block_n=32, block_k=512, num_stages=5, num_warps=4)
+    assert next(gemv._candidate_tiles(4096, 4096, 2))["block_k"] == 256
+    assert all(t["block_k"] >= 64 and t["num_stages"] >= 2 for t in gemv._candidate_tiles(4096, 4096, 4))
+
+
+def test_programmatic_dependent_launch_is_off_without_sm90(monkeypatch):
+    from engine.kernels.triton import pdl
+    assert pdl.launch_options(torch.zeros(1)) == {"USE_PDL": False}  # host tensors never
+    if ON_GPU:
+        pdl._supported.cache_clear()
+        monkeypatch.setenv("ATOM_RAY_TRITON_PDL", "0")
+        assert pdl.launch_options(torch.zeros(1, device="cuda")) == {"USE_PDL": False}
+        pdl._supported.cache_clear()
+
+
 def test_gemm_op_takes_the_blas_for_large_batches_and_fp32():
     x, weight = randn(40, 32), randn(24, 32)
     assert_matches(gemv.gemm(x, weight), torch.nn.functional.linear(x, weight), torch.float32)
