@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.common import environment_record, print_table
 from benchmarks.device_limits import device_limits
+from benchmarks.kernel_variants import KERNEL_VARIANTS
 
 DEFAULT_MODEL = "benchmarks/configs/llama-3.1-8b"
 NUM_REQUESTS, PROMPT_RANGE, OUTPUT_RANGE = 512, (128, 1024), (64, 512)
@@ -70,68 +71,6 @@ def timed_generate(llm, prompts, params) -> float:
 
 
 # ---- latency ----------------------------------------------------------------------------------------------
-def unfused_rope() -> None:
-    """The kernel sequence before RoPE was fused into the KV-cache write: a separate rotary kernel, then
-    the plain cache write (for before/after comparisons in one run)."""
-    from engine.kernels.attention import apply_rope
-    from engine.kernels.triton.attention import TritonAttentionBackend
-    fused = TritonAttentionBackend.forward
-
-    def forward(query, key, value, kv_cache, metadata, scale, block_size, rope=None):
-        query, key = apply_rope(query, key, rope)
-        return fused(query, key, value, kv_cache, metadata, scale, block_size)
-    TritonAttentionBackend.forward = staticmethod(forward)
-
-
-def long_decode_splits() -> None:
-    """Decode attention as before splits were allowed down to one 64-token tile: no split shorter than
-    256 context tokens (so a batch-1 step walked up to four tiles per program)."""
-    import dataclasses
-
-    from engine.kernels.triton.attention import TritonAttentionBackend
-    build = TritonAttentionBackend.build_metadata.__func__
-
-    def build_metadata(cls, common, block_size):
-        return dataclasses.replace(build(cls, common, block_size), min_split_tokens=256)
-    TritonAttentionBackend.build_metadata = classmethod(build_metadata)
-
-
-def l2_prefetch(bytes_per_row: int):
-    def apply() -> None:
-        """The skinny GEMM prefetching more of each weight row into L2 (a tuning probe)."""
-        from engine.kernels.triton import gemv
-        gemv.PREFETCH_BYTES_PER_ROW = bytes_per_row
-    return apply
-
-
-def no_l2_prefetch() -> None:
-    """The skinny GEMM without its weight prefetch into L2 ahead of the previous kernel's end."""
-    from engine.kernels.triton import gemv
-    gemv.PREFETCH_BYTES_PER_ROW = 0
-
-
-def pdl_off() -> None:
-    """Triton kernels launched without programmatic dependent launch."""
-    import os
-
-    from engine.kernels.triton import pdl
-    os.environ["ATOM_RAY_TRITON_PDL"] = "0"
-    pdl._supported.cache_clear()
-
-
-def blas_gemm() -> None:
-    """Every GEMM on the vendor BLAS (cuBLAS), as before the Triton skinny GEMM took decode-sized batches."""
-    from engine.kernels import ops
-    from engine.kernels.torch.ops import gemm
-    ops.gemm = gemm
-
-
-# Applied cumulatively in the order given, each re-timed: e.g. `--variant unfused-rope --variant
-# long-decode-splits` ends at the kernel sequence before both changes.
-KERNEL_VARIANTS = {"l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
-                   "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm, "unfused-rope": unfused_rope, "long-decode-splits": long_decode_splits}
-
-
 def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants: tuple[str, ...] = ()) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, show_progress=False)
