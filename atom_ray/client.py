@@ -159,17 +159,17 @@ class RayEngineClient:
                 self._dispatch(deltas)
 
     def _dispatch(self, deltas: list[OutputDelta]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, _Stream, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:
             streams = [(delta, self._streams.pop(delta.request_id, None) if delta.finished
                         else self._streams.get(delta.request_id)) for delta in deltas]
         for delta, stream in streams:
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((delta.request_id, stream, stream.apply(delta)))
+                by_loop.setdefault(stream.loop, []).append((stream, stream.apply(delta)))
         for loop, items in by_loop.items():
-            if not _hand_over(loop, [(stream, output) for _, stream, output in items]):
-                for request_id, _, _ in items:
-                    self.abort(request_id)  # their readers' event loop is gone
+            if not _hand_over(loop, items):
+                for _, output in items:
+                    self.abort(output.request_id)  # their readers' event loop is gone
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

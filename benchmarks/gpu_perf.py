@@ -91,19 +91,19 @@ def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants
     graphs, runner.graphs = runner.graphs, None
     results["eager"] = rate()
     runner.graphs, engine._run_ahead = graphs, True
-    tokens = [o.token_ids for o in llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))]
+
+    def greedy_tokens():
+        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].token_ids
+
+    tokens = greedy_tokens()
     runner.graphs = None
-    eager_tokens = [o.token_ids for o in llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32,
-                                                                                ignore_eos=True))]
-    results["graph_tokens_equal_eager"] = tokens == eager_tokens
+    results["graph_tokens_equal_eager"] = tokens == greedy_tokens()
     runner.graphs = graphs
     for variant in variants:  # earlier kernel sequences, re-captured into fresh graphs of the same engine
         KERNEL_VARIANTS[variant]()
         graphs.capture()
         results[f"variant {variant}"] = rate()
-        results[f"variant {variant} tokens equal default"] = [
-            o.token_ids for o in llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32,
-                                                                        ignore_eos=True))] == tokens
+        results[f"variant {variant} tokens equal default"] = greedy_tokens() == tokens
     del llm, engine, runner, graphs
     free_gpu()
     return results
@@ -231,39 +231,37 @@ def throughput(args) -> dict:
               max_num_batched_tokens=8192, show_progress=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     timed_generate(llm, prompts[:64], params[:64])  # warm-up: every kind of step compiled before timing
-    llm.engine.scheduler.block_manager.reset_prefix_cache()
-    seconds = timed_generate(llm, prompts, params)
-    tok_s = sum(output_lens) / seconds
-    stats = llm.engine.stats()
-    rows = [("atom-ray", f"{tok_s:.0f}", f"{tok_s / roofline:.3f}", f"{seconds:.1f}"),
-            ("roofline", f"{roofline:.0f}", "1.000", "-")]
-    subset = {}
-    if args.num_requests:  # the requests a time-limited baseline run gets, for a like-for-like ratio
-        n = args.num_requests
+    rows = []
+
+    def measure(label: str) -> dict:
+        """The whole workload, then (for a like-for-like ratio with a time-limited baseline run) its first
+        --num-requests requests with a per-step trace; the prefix cache emptied before each."""
         llm.engine.scheduler.block_manager.reset_prefix_cache()
-        with StepTrace(llm.engine) as trace:
-            sub_seconds = timed_generate(llm, prompts[:n], params[:n])
-        subset = {"subset_requests": n, "subset_tok_s": sum(output_lens[:n]) / sub_seconds,
-                  "subset_seconds": sub_seconds, "subset_steps": trace.summary()}
-        rows.append((f"atom-ray, first {n} requests", f"{subset['subset_tok_s']:.0f}", "-", f"{sub_seconds:.1f}"))
+        seconds = timed_generate(llm, prompts, params)
+        result = {"tok_s": sum(output_lens) / seconds, "seconds": seconds}
+        rows.append((label, f"{result['tok_s']:.0f}", f"{result['tok_s'] / roofline:.3f}", f"{seconds:.1f}"))
+        if args.num_requests:
+            n = args.num_requests
+            llm.engine.scheduler.block_manager.reset_prefix_cache()
+            with StepTrace(llm.engine) as trace:
+                sub_seconds = timed_generate(llm, prompts[:n], params[:n])
+            result.update(subset_requests=n, subset_tok_s=sum(output_lens[:n]) / sub_seconds,
+                          subset_seconds=sub_seconds, subset_steps=trace.summary())
+            rows.append((f"{label}, first {n} requests", f"{result['subset_tok_s']:.0f}", "-", f"{sub_seconds:.1f}"))
+        return result
+
+    ours = measure("atom-ray")
+    stats = llm.engine.stats()
     variants = {}
     for variant in args.variant:  # earlier kernel sequences on the same engine, graphs re-captured
         KERNEL_VARIANTS[variant]()
         llm.engine.executor.runner.graphs.capture()
-        llm.engine.scheduler.block_manager.reset_prefix_cache()
-        v_seconds = timed_generate(llm, prompts, params)
-        variants[variant] = {"tok_s": sum(output_lens) / v_seconds, "seconds": v_seconds}
-        rows.append((f"+ variant {variant}", f"{variants[variant]['tok_s']:.0f}",
-                     f"{variants[variant]['tok_s'] / roofline:.3f}", f"{v_seconds:.1f}"))
-        if args.num_requests:
-            llm.engine.scheduler.block_manager.reset_prefix_cache()
-            v_sub = timed_generate(llm, prompts[:args.num_requests], params[:args.num_requests])
-            variants[variant].update(subset_tok_s=sum(output_lens[:args.num_requests]) / v_sub, subset_seconds=v_sub)
-            rows.append((f"+ variant {variant}, first {args.num_requests}",
-                         f"{variants[variant]['subset_tok_s']:.0f}", "-", f"{v_sub:.1f}"))
+        variants[variant] = measure(f"+ variant {variant}")
+    rows.append(("roofline", f"{roofline:.0f}", "1.000", "-"))
     print_table(["offline throughput", "output tok/s", "of roofline", "seconds"], rows)
-    return {"limits": limits, "engine_tok_s": tok_s, "variants": variants, "seconds": seconds, "roofline_tok_s": roofline,
-            "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
+    subset = {k: v for k, v in ours.items() if k.startswith("subset_")}
+    return {"limits": limits, "engine_tok_s": ours["tok_s"], "variants": variants, "seconds": ours["seconds"],
+            "roofline_tok_s": roofline, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
             "num_preemptions": stats["num_preemptions"], "num_kv_blocks": stats["num_kv_blocks"], **subset}
 
 

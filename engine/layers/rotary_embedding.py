@@ -10,8 +10,6 @@ import math
 import torch
 from torch import nn
 
-from engine.kernels import ops
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -68,11 +66,7 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """query [T, H, D], key [T, Hk, D] -> rotated (query, key)."""
-        return ops.rotary_embedding(positions, query, key, *self.rope_args(positions)[1:])
-
     def rope_args(self, positions: torch.Tensor) -> tuple:
-        """What the attention layer takes to apply this rotation itself (fused with its cache write where
-        the backend can)."""
+        """What the attention layer takes to apply this rotation (its backend rotates queries and keys,
+        fused with its KV-cache write where it can)."""
         return positions, self.cos_sin_cache, self.is_neox_style

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata, apply_rope
 from engine.kernels.triton import pdl
+from engine.kernels.triton.common import dot, rope_coefficients, rotated
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -47,16 +48,6 @@ def _interpreting() -> bool:
 # ---- kernels ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    if UPCAST:  # only under the interpreter, whose dot multiplies bfloat16 bit patterns as integers
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif a.dtype == tl.float32:  # full precision, not TF32: fp32 runs are the accuracy reference
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
 def _cache_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
                         sk_t, sk_h, sv_t, sv_h,
                         HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr):
@@ -77,34 +68,6 @@ def _cache_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, 
 
 
 @triton.jit
-def _rope_coefficients(cache_ptr, position, stride_cache, dims, dtype,
-                       HALF: tl.constexpr, IS_NEOX: tl.constexpr):
-    """Per feature d of a head: out[d] = x[d] * cos[d] + x[partner[d]] * sin[d] (sin carries the sign);
-    features past the rotary dimensions keep cos 1, sin 0. The table is rounded to the activation dtype
-    first, as in the reference and the separate rotary kernel."""
-    if IS_NEOX:
-        freq = tl.where(dims < HALF, dims, dims - HALF)
-        partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
-        sign = tl.where(dims < HALF, -1.0, 1.0)
-    else:
-        freq = dims // 2
-        partner = dims + 1 - 2 * (dims % 2)
-        sign = tl.where(dims % 2 == 0, -1.0, 1.0)
-    rotating = dims < 2 * HALF
-    row = cache_ptr + position * stride_cache
-    cos = tl.load(row + freq, mask=rotating, other=1.0).to(dtype).to(tl.float32)
-    sin = tl.load(row + HALF + freq, mask=rotating, other=0.0).to(dtype).to(tl.float32) * sign
-    return cos, sin, partner, rotating
-
-
-@triton.jit
-def _rotated(ptr, dims, partner, rotating, mask, cos, sin):
-    x = tl.load(ptr + dims, mask=mask, other=0.0)
-    x_partner = tl.load(ptr + partner, mask=mask & rotating, other=0.0)
-    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * sin
-
-
-@triton.jit
 def _rope_cache_write_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, table_ptr,
                              num_heads, num_kv_heads, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, stride_table,
                              HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr,
@@ -116,19 +79,19 @@ def _rope_cache_write_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, D_PAD)[None, :]
-    cos, sin, partner, rotating = _rope_coefficients(table_ptr, position, stride_table, dims,
-                                                     q_ptr.dtype.element_ty, HALF, IS_NEOX)
+    cos, sin, partner, rotating = rope_coefficients(table_ptr, position, stride_table, dims,
+                                                    q_ptr.dtype.element_ty, HALF, IS_NEOX)
     heads = tl.arange(0, BLOCK_H)[:, None]
     q_mask = (heads < num_heads) & (dims < HEAD_SIZE)
     q_rows = q_ptr + token * sq_t + heads * sq_h
-    q = _rotated(q_rows, dims, partner, rotating, q_mask, cos, sin)
+    q = rotated(q_rows, dims, partner, rotating, q_mask, cos, sin)
     tl.store(q_rows + dims, q.to(q_ptr.dtype.element_ty), mask=q_mask)
 
     slot = tl.load(slot_ptr + token).to(tl.int64)  # negative: a padding token, nothing to store
     kv_heads = tl.arange(0, BLOCK_HK)[:, None]
     kv_mask = (kv_heads < tl.where(slot >= 0, num_kv_heads, 0)) & (dims < HEAD_SIZE)
     dest = slot * num_kv_heads * HEAD_SIZE + kv_heads * HEAD_SIZE + dims
-    k = _rotated(key_ptr + token * sk_t + kv_heads * sk_h, dims, partner, rotating, kv_mask, cos, sin)
+    k = rotated(key_ptr + token * sk_t + kv_heads * sk_h, dims, partner, rotating, kv_mask, cos, sin)
     # Rounded to the activation dtype first, exactly as the unfused path stores the rotated key.
     tl.store(k_cache_ptr + dest, k.to(key_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
     v = tl.load(value_ptr + token * sv_t + kv_heads * sv_h + dims, mask=kv_mask)
@@ -178,13 +141,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_
                            HEAD_SIZE, PAGE_SIZE)[:, None]
         kv_mask = valid[:, None] & (dims < HEAD_SIZE)
         k = tl.load(k_cache_ptr + rows + dims, mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * scale_log2
+        s = dot(q, tl.trans(k), UPCAST) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m - m_new)
         v = tl.load(v_cache_ptr + rows + dims, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
     if SINGLE_SPLIT:
@@ -240,14 +203,14 @@ def _prefill_tile(acc, m, l, q, k_ptr, v_ptr, block_table_ptr, seq, stride_bt, s
         v_rows = token_rows * sv_t + kv_head * sv_h
     kv_mask = valid[:, None] & (dims < HEAD_SIZE)
     k = tl.load(k_ptr + k_rows + dims, mask=kv_mask, other=0.0)
-    s = _dot(q, tl.trans(k), UPCAST) * scale_log2
+    s = dot(q, tl.trans(k), UPCAST) * scale_log2
     if CAUSAL_MASK:
         s = tl.where((tokens[None, :] <= query_pos[:, None]) & valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m - m_new)
     v = tl.load(v_ptr + v_rows + dims, mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
     l = l * alpha + tl.sum(p, axis=1)
     return acc, m_new, l
 

@@ -14,16 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton import pdl
-
-
-@triton.jit
-def _mma(acc, x, w, UPCAST: tl.constexpr):
-    if UPCAST:  # the interpreter multiplies half-precision bit patterns wrongly in tl.dot
-        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    elif x.dtype == tl.float32:
-        return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:
-        return acc + tl.dot(x, tl.trans(w))
+from engine.kernels.triton.common import dot
 
 
 @triton.jit
@@ -57,7 +48,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
         k_mask = ((k + ks) < K)[None, :]
         x = tl.load(x_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0)
         w = tl.load(w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask, other=0.0)
-        acc = _mma(acc, x, w, UPCAST)
+        acc += dot(x, tl.trans(w), UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -131,16 +122,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.view(*x.shape[:-1], n)
 
 
-def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (0 < rows <= max_rows and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1 and x.is_cuda)
-
-
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The backend's GEMM: the skinny kernel for decode-sized half-precision batches, the BLAS otherwise
     (and for fp32, whose runs are the accuracy reference)."""
-    if _skinny_applies(x, weight, MAX_ROWS):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1 and x.is_cuda):
         return skinny_gemm(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
-

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton import pdl
+from engine.kernels.triton.common import rope_coefficients, rotated
 
 # Rows up to this many features are normalised from registers in one pass (no spills on sm_90 even in
 # fp32); longer ones take two passes over chunks.
@@ -122,40 +123,27 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
-def _rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half_idx,
-                  HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr):
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    if IS_NEOX:
-        first, second = half_idx, half_idx + HALF
-    else:
-        first, second = 2 * half_idx, 2 * half_idx + 1
-    mask = (heads < num_heads) & (half_idx < HALF)
-    base = ptr + token * stride_t + heads * stride_h
-    x1 = tl.load(base + first, mask=mask, other=0.0)
-    x2 = tl.load(base + second, mask=mask, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base + first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(base + second, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, num_heads, num_kv_heads,
-                   sq_t, sq_h, sk_t, sk_h, stride_cache,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, table_ptr, num_heads, num_kv_heads,
+                   sq_t, sq_h, sk_t, sk_h, stride_table,
+                   HALF: tl.constexpr, ROT_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         pdl.enter()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(pos_ptr + token).to(tl.int64)
-    half_idx = tl.arange(0, HALF_PAD)[None, :]
-    row = cache_ptr + position * stride_cache
-    cos = tl.load(row + half_idx, mask=half_idx < HALF, other=0.0)
-    sin = tl.load(row + HALF + half_idx, mask=half_idx < HALF, other=0.0)
-    # The reference rounds the table to the activation dtype before rotating.
-    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
-    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
-    _rotate_heads(q_ptr, token, sq_t, sq_h, num_heads, cos, sin, half_idx, HALF, IS_NEOX, BLOCK_H)
-    _rotate_heads(k_ptr, token, sk_t, sk_h, num_kv_heads, cos, sin, half_idx, HALF, IS_NEOX, BLOCK_HK)
+    dims = tl.arange(0, ROT_PAD)[None, :]  # the rotary features only; the rest of each head stays as it is
+    cos, sin, partner, rotating = rope_coefficients(table_ptr, position, stride_table, dims,
+                                                    q_ptr.dtype.element_ty, HALF, IS_NEOX)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    q_mask = (heads < num_heads) & rotating
+    q_rows = q_ptr + token * sq_t + heads * sq_h
+    q = rotated(q_rows, dims, partner, rotating, q_mask, cos, sin)
+    kv_heads = tl.arange(0, BLOCK_HK)[:, None]
+    k_mask = (kv_heads < num_kv_heads) & rotating
+    k_rows = k_ptr + token * sk_t + kv_heads * sk_h
+    k = rotated(k_rows, dims, partner, rotating, k_mask, cos, sin)
+    tl.store(q_rows + dims, q.to(q_ptr.dtype.element_ty), mask=q_mask)  # in place: after every load
+    tl.store(k_rows + dims, k.to(k_ptr.dtype.element_ty), mask=k_mask)
 
 
 def _head_view(x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +169,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     _rotary_kernel[(num_tokens,)](
         positions.contiguous(), query, key, cache, num_heads, num_kv_heads,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cache.stride(0),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), IS_NEOX=is_neox,
+        HALF=half, ROT_PAD=triton.next_power_of_2(rotary_dim), IS_NEOX=is_neox,
         BLOCK_H=block_h, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         num_warps=_num_warps(block_h * triton.next_power_of_2(half)), **pdl.launch_options(query))
     return query, key
