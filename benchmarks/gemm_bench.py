@@ -6,6 +6,7 @@ Each timed call reads a different copy of the weight (copies totalling > 4x the 
 CUDA graph) so that, as in a real decode step, no weight is served from L2.
 
     python -m benchmarks.gemm_bench --out gemm.json [--model benchmarks/configs/llama-3.1-8b] [--tp 1]
+    python -m benchmarks.gemm_bench --layer-chain --out chain.json   # layers' GEMMs in order, SiLU fused or not
 """
 from __future__ import annotations
 
@@ -77,12 +78,49 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() / (us * 1e-6) / 1e9
 
 
+def layer_chain_rows(config: dict, tp: int, rows: list[int], layers: int = 4) -> list[dict]:
+    """A decoder layer's GEMMs in order (QKV, O, gate/up, down, with an RMSNorm kernel before QKV and
+    gate/up as the gaps), over several layers' weights: with the SiLU-and-mul as its own kernel or in the
+    gate/up GEMM's epilogue."""
+    from engine.kernels.triton import gemv, ops
+    shapes = projection_shapes(config, tp)
+    names = ("qkv", "o", "gate_up", "down")
+    weights = [{name: torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16) for name in names}
+               for _ in range(layers)]
+    layer_bytes = sum(w.numel() * 2 for w in weights[0].values())
+    hidden, inter = shapes["o"][0], shapes["down"][1]
+    norm_weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for m in rows:
+        x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+        attn, act = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for n in (shapes["o"][1], inter))
+
+        def layer_calls(layer, gated):
+            calls = [lambda: ops.rms_norm(x, norm_weight, 1e-5), lambda: gemv.skinny_gemm(x, layer["qkv"]),
+                     lambda: gemv.skinny_gemm(attn, layer["o"]), lambda: ops.rms_norm(x, norm_weight, 1e-5)]
+            if gated:
+                calls.append(lambda: gemv.skinny_gemm(x, layer["gate_up"], gated=True))
+            else:
+                calls.append(lambda: ops.silu_and_mul(gemv.skinny_gemm(x, layer["gate_up"])))
+            return calls + [lambda: gemv.skinny_gemm(act, layer["down"])]
+        timings = {}
+        for gated in (False, True):
+            calls = [call for layer in weights for call in layer_calls(layer, gated)]
+            label = "SiLU-and-mul in the GEMM epilogue" if gated else "SiLU-and-mul kernel"
+            timings[label] = time_calls(calls) * len(calls) / layers
+        out.append(dict(m=m, layer_bytes=layer_bytes, us_per_layer=timings,
+                        gbps={label: layer_bytes / (us * 1e-6) / 1e9 for label, us in timings.items()}))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
     parser.add_argument("--tp", type=int, default=1, help="shapes of one rank at this tensor-parallel size")
     parser.add_argument("--rows", default="1,8,16", help="batch rows (the kernel takes up to 128)")
     parser.add_argument("--only", default=None, help="comma-separated projections to run (qkv,o,gate_up,down,lm_head)")
+    parser.add_argument("--layer-chain", action="store_true",
+                        help="only time decoder layers' GEMM sequences, with the SiLU-and-mul fused or as its own kernel")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from engine.kernels.triton.gemv import skinny_gemm
@@ -90,6 +128,15 @@ def main() -> None:
     l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     copy_bw, read_bw = copy_bandwidth_gbps(), read_bandwidth_gbps()
     print(f"copy {copy_bw:.0f} GB/s, read {read_bw:.0f} GB/s, L2 {l2_bytes >> 20} MiB, TP={args.tp}")
+    if args.layer_chain:
+        chain = layer_chain_rows(config, args.tp, [int(r) for r in args.rows.split(",")])
+        base = "SiLU-and-mul kernel"
+        print_table(["rows", "variant", "us/layer", "GB/s", "of read bw", "vs separate SiLU-and-mul"],
+                    [(r["m"], label, f"{us:.1f}", f"{r['gbps'][label]:.0f}", f"{r['gbps'][label] / read_bw:.3f}",
+                      f"{r['us_per_layer'][base] / us:.3f}") for r in chain for label, us in r["us_per_layer"].items()])
+        Path(args.out).write_text(json.dumps({"environment": environment_record(), "tp": args.tp, "copy_gbps": copy_bw,
+                                              "read_gbps": read_bw, "layer_chain": chain}, indent=2))
+        return
     rows_out, table = [], []
     for name, (n, k) in projection_shapes(config, args.tp).items():
         if args.only and name not in args.only.split(","):

@@ -53,14 +53,28 @@ def pdl_off() -> None:
     pdl._supported.cache_clear()
 
 
+def separate_silu_and_mul() -> None:
+    """The MLP's SiLU-and-mul as its own kernel after the gate/up GEMM, as before it moved into the
+    skinny GEMM's epilogue."""
+    from engine.kernels import ops
+
+    def gated_gemm(x, weight, bias=None):
+        return ops.silu_and_mul(ops.gemm(x, weight, bias))
+    ops.gated_gemm = gated_gemm
+
+
 def blas_gemm() -> None:
-    """Every GEMM on the vendor BLAS (cuBLAS), as before the Triton skinny GEMM took decode-sized batches."""
+    """Every GEMM on the vendor BLAS (cuBLAS), as before the Triton skinny GEMM took decode-sized batches
+    (so the SiLU-and-mul it had fused runs separately again)."""
     from engine.kernels import ops
     from engine.kernels.torch.ops import gemm
+    separate_silu_and_mul()
     ops.gemm = gemm
 
 
 # Applied cumulatively in the order given, each re-timed: e.g. `--variant unfused-rope --variant
 # long-decode-splits` ends at the kernel sequence before both changes.
 KERNEL_VARIANTS = {"l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
-                   "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm, "unfused-rope": unfused_rope, "long-decode-splits": long_decode_splits}
+                   "separate-silu-and-mul": separate_silu_and_mul,
+                   "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
+                   "unfused-rope": unfused_rope, "long-decode-splits": long_decode_splits}

@@ -22,6 +22,7 @@ OPS = (
     "fused_add_rms_norm",   # (x, residual, weight, eps) -> (normalised x + residual, x + residual)
     "rotary_embedding",     # (positions, q, k, cos_sin_cache, is_neox) -> (q, k), may be in place
     "silu_and_mul",         # (x[..., 2I]) -> silu(x[..., :I]) * x[..., I:]
+    "gated_gemm",           # (x, weight[2I,K], bias|None) -> silu_and_mul(gemm(x, weight, bias)): the MLP's gate/up
     "sample",               # (logits[B,V] fp32, SamplingTensors) -> token ids [B] int64
 )
 

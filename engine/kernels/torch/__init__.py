@@ -14,6 +14,7 @@ BACKEND = KernelBackend(
         "fused_add_rms_norm": ops.fused_add_rms_norm,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
+        "gated_gemm": ops.gated_gemm,
         "sample": sample,
     },
     attention=TorchAttentionBackend,

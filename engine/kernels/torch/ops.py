@@ -21,6 +21,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(residual, weight, eps), residual
 
 
+def gated_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return silu_and_mul(gemm(x, weight, bias))
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     if is_neox:
         x1, x2 = x.chunk(2, dim=-1)

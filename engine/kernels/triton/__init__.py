@@ -2,7 +2,8 @@
 Triton kernels for any CUDA or ROCm GPU.
 
 `gemm` runs a Triton skinny GEMM for decode-sized batches (up to 16 rows, bf16/fp16), where it measured
-faster than cuBLAS, and the vendor BLAS (cuBLAS / hipBLASLt through torch) for everything larger."""
+faster than cuBLAS, and the vendor BLAS (cuBLAS / hipBLASLt through torch) for everything larger; at those
+sizes `gated_gemm` applies the MLP's SiLU-and-mul in the GEMM's epilogue."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,7 @@ BACKEND = KernelBackend(
         "fused_add_rms_norm": ops.fused_add_rms_norm,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
+        "gated_gemm": gemv.gated_gemm,
         "sample": sample,
     },
     attention=TritonAttentionBackend,

@@ -1,4 +1,5 @@
-"""A skinny GEMM for decode-sized batches (a few rows against a large weight): y = x W^T (+ bias).
+"""A skinny GEMM for decode-sized batches (a few rows against a large weight): y = x W^T (+ bias), and
+for the MLP's merged gate/up projection silu(gate) * up in its epilogue.
 
 Weight-bandwidth bound: each program streams a [BLOCK_N, K] slab of W through a software pipeline and
 multiplies it with the whole batch of rows (padded to one 16-row tile) on the tensor cores.
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton import pdl
+from engine.kernels.triton import ops, pdl
 from engine.kernels.triton.common import dot
 
 
@@ -25,15 +26,23 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                         USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    j = tl.arange(0, BLOCK_N)
+    if GATED:
+        # The program's tile holds BLOCK_N/2 gate rows and the matching up rows of the merged weight.
+        n_out = N // 2
+        features = pid * (BLOCK_N // 2) + j % (BLOCK_N // 2)
+        w_index = features + (j // (BLOCK_N // 2)) * n_out
+        col_mask = features < n_out
+    else:
+        w_index = pid * BLOCK_N + j
+        col_mask = w_index < N
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    col_mask = cols < N
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + w_index.to(tl.int64)[:, None] * stride_wn
     if USE_PDL:
         if PREFETCH_LINES > 0:
             # While the previous kernel finishes: pull the start of this program's weight rows into L2
@@ -43,6 +52,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
             _prefetch_l2(ptrs)
         pdl.enter()
     row_mask = (rows < M)[:, None]
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_mask = ((k + ks) < K)[None, :]
@@ -50,9 +60,19 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
         w = tl.load(w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask, other=0.0)
         acc += dot(x, tl.trans(w), UPCAST)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & col_mask[None, :])
+        acc += tl.load(b_ptr + w_index, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_dtype = y_ptr.dtype.element_ty
+    if GATED:
+        # silu(gate) * up, each rounded to the activation dtype as the separate GEMM and SiLU-and-mul are.
+        acc = acc.to(out_dtype).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+        cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], (silu * up).to(out_dtype),
+                 mask=(rows[:, None] < M) & (cols < n_out)[None, :])
+    else:
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + w_index[None, :], acc.to(out_dtype),
+                 mask=(rows[:, None] < M) & col_mask[None, :])
 
 
 MAX_ROWS = 16  # the kernel takes up to 128 rows; the backend uses it where it measured faster than the BLAS
@@ -76,19 +96,19 @@ def _candidate_tiles(n: int, k: int, element_size: int):
     yield dict(block_n=32, block_k=64, num_stages=2, num_warps=4)
 
 
-_fitted: dict[tuple, dict] = {}  # (N, K, dtype, row tile, device) -> the first candidate that launched
+_fitted: dict[tuple, dict] = {}  # (N, K, dtype, row tile, gated, device) -> the first candidate that launched
 
 
-def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    key = (weight.shape[0], weight.shape[1], x.dtype, max(16, triton.next_power_of_2(rows)), x.device)
+    key = (weight.shape[0], weight.shape[1], x.dtype, max(16, triton.next_power_of_2(rows)), gated, x.device)
     tiles = _fitted.get(key)
     if tiles is not None:
-        return skinny_gemm(x, weight, bias, **tiles)
+        return skinny_gemm(x, weight, bias, **tiles, gated=gated)
     error = None
     for tiles in _candidate_tiles(weight.shape[0], weight.shape[1], x.element_size()):
         try:  # a launch whose buffers do not fit this GPU's shared memory fails before it runs
-            out = skinny_gemm(x, weight, bias, **tiles)
+            out = skinny_gemm(x, weight, bias, **tiles, gated=gated)
         except triton.runtime.errors.OutOfResources as exc:
             error = exc
             continue
@@ -98,35 +118,50 @@ def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                block_n: int | None = None, block_k: int = 256, num_stages: int = 4,
-                num_warps: int = 4) -> torch.Tensor:
-    """x [..., K] with at most 128 rows, weight [N, K] (contiguous rows), bias [N] or None. Without tile
+                block_n: int | None = None, block_k: int = 256, num_stages: int = 4, num_warps: int = 4, *,
+                gated: bool = False) -> torch.Tensor:
+    """y = x W^T (+ bias) for x [..., K] with at most 128 rows and weight [N, K] (contiguous rows). With
+    gated, the weight is a merged [gate; up] projection and y = silu(gate) * up, [..., N / 2]. Without tile
     sizes: the preferred tiles that fit this GPU (found at the first call of each shape, then kept)."""
     if block_n is None:
-        return _launch_fitted(x, weight, bias)
+        return _launch_fitted(x, weight, bias, gated)
     k = x.shape[-1]
     rows = x.reshape(-1, x.shape[-1])
     m, n = rows.shape[0], weight.shape[0]
     assert m <= 128 and weight.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert not gated or (n % 2 == 0 and block_n % 2 == 0), (n, block_n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_out = n // 2 if gated else n
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.view(*x.shape[:-1], n)
-    upcast = x.dtype != torch.float32 and x.device.type == "cpu"
+        return out.view(*x.shape[:-1], n_out)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_stages=num_stages, num_warps=num_warps,
-        PREFETCH_LINES=PREFETCH_BYTES_PER_ROW // 128, LINE=128 // weight.element_size(), **pdl.launch_options(out))
-    return out.view(*x.shape[:-1], n)
+        out.stride(0), HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=x.dtype != torch.float32 and x.device.type == "cpu",
+        num_stages=num_stages, num_warps=num_warps, PREFETCH_LINES=PREFETCH_BYTES_PER_ROW // 128,
+        LINE=128 // weight.element_size(), **pdl.launch_options(out))
+    return out.view(*x.shape[:-1], n_out)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny kernel serves this product: decode-sized half-precision batches on a GPU (the
+    BLAS serves larger ones, and fp32, whose runs are the accuracy reference)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1 and x.is_cuda)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The backend's GEMM: the skinny kernel for decode-sized half-precision batches, the BLAS otherwise
-    (and for fp32, whose runs are the accuracy reference)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1 and x.is_cuda):
+    """The backend's GEMM: the skinny kernel where it serves, the BLAS otherwise."""
+    if takes(x, weight):
         return skinny_gemm(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def gated_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of a merged [gate; up] projection: in the skinny kernel's epilogue where it serves."""
+    if takes(x, weight):
+        return skinny_gemm(x, weight, bias, gated=True)
+    return ops.silu_and_mul(torch.nn.functional.linear(x, weight, bias))

@@ -46,6 +46,13 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
 
 
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """For long sums (GEMM outputs): the largest error relative to the output's scale, not per element."""
+    limit = 1e-5 if dtype == torch.float32 else 3e-2
+    error = float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
+    assert error < limit, error
+
+
 def randn(*shape, dtype=torch.float32):
     return torch.randn(*shape, device=DEVICE).to(dtype)
 
@@ -192,6 +199,35 @@ def test_programmatic_dependent_launch_is_off_without_sm90(monkeypatch):
         monkeypatch.setenv("ATOM_RAY_TRITON_PDL", "0")
         assert pdl.launch_options(torch.zeros(1, device="cuda")) == {"USE_PDL": False}
         pdl._supported.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 70, 300, True), (5, 64, 512, False), (16, 36, 257, True)])
+def test_gated_skinny_gemm_matches_gemm_then_silu_and_mul(dtype, rows, n, k, bias):
+    """SiLU-and-mul in the epilogue of a merged [gate; up] projection: the GEMM's then the activation's
+    result, for output widths that are not multiples of the tile."""
+    if ON_GPU:
+        n, k = n * 64, k * 16
+    x, weight = randn(rows, k, dtype=dtype), randn(2 * n, k, dtype=dtype)
+    b = randn(2 * n, dtype=dtype) if bias else None
+    expected = reference.gated_gemm(x.double(), weight.double(), None if b is None else b.double())
+    for config in (dict(block_n=32, block_k=128, num_stages=2), dict(block_n=16, block_k=64, num_stages=2), {}):
+        actual = gemv.skinny_gemm(x, weight, b, **config, gated=True)
+        assert actual.shape == (rows, n) and actual.dtype == dtype
+        assert_close_to_scale(actual, expected, dtype)
+
+
+def test_gated_gemm_op_matches_reference_on_both_paths():
+    """The skinny kernel for decode-sized half-precision batches on a GPU, the BLAS and the separate
+    activation for everything else."""
+    dtype = torch.bfloat16
+    k, n = (4096, 1536) if ON_GPU else (96, 40)
+    weight = randn(2 * n, k, dtype=dtype)
+    for rows in (3, 40):
+        x = randn(rows, k, dtype=dtype)
+        actual, expected = gemv.gated_gemm(x, weight), reference.gated_gemm(x, weight)
+        assert actual.shape == expected.shape == (rows, n)
+        assert_close_to_scale(actual, expected, dtype)
 
 
 def test_gemm_op_takes_the_blas_for_large_batches_and_fp32():
