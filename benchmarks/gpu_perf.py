@@ -209,6 +209,8 @@ class StepTrace:
         for (t0, decodes, prompt_tokens), (t1, _, _) in zip(self.records, self.records[1:]):
             if prompt_tokens:
                 key = "with prompt tokens"
+            elif not decodes:
+                key = "empty"
             else:
                 low = 1 << (decodes.bit_length() - 1)
                 key = f"decode-only, batch {low}..{2 * low - 1}" if decodes > 1 else "decode-only, batch 1"

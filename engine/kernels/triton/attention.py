@@ -378,7 +378,7 @@ def decode_plan(metadata: TritonAttentionMetadata, num_kv_heads: int, block_n: i
 
 
 def _decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size, d_pad, block_n,
-            num_warps, scale_log2, block_size, upcast):
+            num_warps, scale_log2, block_size, upcast, num_stages=2):
     num_decodes = metadata.num_decodes
     num_heads = num_kv_heads * group
     num_splits, tiles_per_split = decode_plan(metadata, num_kv_heads, block_n)
@@ -395,7 +395,7 @@ def _decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_si
         metadata.block_table.stride(0), scale_log2,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size, D_PAD=d_pad,
         BLOCK_N=block_n, PAGE_SIZE=block_size, SINGLE_SPLIT=single, UPCAST=upcast, num_warps=num_warps,
-        num_stages=2, **pdl.launch_options(query))
+        num_stages=num_stages, **pdl.launch_options(query))
     if not single:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_acc, part_ml, out, metadata.seq_lens, num_heads, tiles_per_split, num_splits,
