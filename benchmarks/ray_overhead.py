@@ -3,8 +3,9 @@
 Three paths serve the same 16 concurrent requests (fixed prompts, fixed output lengths, `ignore_eos`):
 the bare `engine.LLM.generate` in this process, `atom_ray.start(...).generate` (Coordinator + one
 RankWorker actor, TP=1, the same contract), and HTTP streaming through the Serve deployment with the
-OpenAI API. Every path runs the workload once untimed first (on this CPU a first pass is ~15 % slower:
-new batch shapes), then timed. Reported: output tokens/s and each path's ratio to the bare engine
+OpenAI API, both on the local Ray cluster that atom-ray starts (`atom_ray.cluster.ensure_ray`). Every path
+runs the workload once untimed first (on this CPU a first pass is ~15 % slower: new batch shapes), then
+timed. Reported: output tokens/s and each path's ratio to the bare engine
 (measured right before and after that path, to follow a drifting machine), the mean time to first token of the streamed paths at
 that load, and the time to first token of a one-token request on an idle engine, alternating requests to
 the bare engine and to the path so that both see the same machine; the difference of the medians is what
@@ -145,6 +146,7 @@ def main() -> None:
     from ray import serve
 
     import atom_ray
+    from atom_ray.cluster import ensure_ray
     from atom_ray.serving import wait_until_healthy
     from deployments.serve_app import build_app
     from engine import LLM
@@ -156,7 +158,7 @@ def main() -> None:
     prompts, output_lens = workload(bare.get_tokenizer())
     bare_runs = [offline_path(bare.generate, prompts, output_lens)["tok_s"]]
 
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
+    ensure_ray(join_running=False)  # the local cluster atom_ray.start and `atom-ray serve` would start
     handle = atom_ray.start(args.model, **engine_args)
     results["ray"] = offline_path(handle.generate, prompts, output_lens)
     results["ray"].update({k: v for k, v in asyncio.run(measure_streams(

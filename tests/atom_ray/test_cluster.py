@@ -1,0 +1,55 @@
+"""ensure_ray: a local cluster that atom-ray starts runs with LOCAL_CLUSTER_SETTINGS (a user's own value
+wins); a cluster it joins is left as it is. Each case runs in a fresh Python, as a user's program would."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+from atom_ray.cluster import LOCAL_CLUSTER_SETTINGS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROGRAM = textwrap.dedent("""
+    import json, os, sys
+    import ray
+    from atom_ray.cluster import LOCAL_CLUSTER_SETTINGS, ensure_ray
+    address = sys.argv[1] if len(sys.argv) > 1 else None
+    started = ensure_ray(address, join_running=False)
+
+    @ray.remote(num_cpus=0)
+    def settings():
+        return {key: os.environ.get(key) for key in LOCAL_CLUSTER_SETTINGS}
+
+    print(json.dumps({"started": started, "worker": ray.get(settings.remote()),
+                      "driver": {key: os.environ.get(key) for key in LOCAL_CLUSTER_SETTINGS}}))
+    ray.shutdown()
+""")
+
+
+def run_program(*args: str, **extra_env: str) -> dict:
+    env = {key: value for key, value in os.environ.items() if key not in LOCAL_CLUSTER_SETTINGS}
+    env.pop("RAY_ADDRESS", None)
+    env.update(extra_env, RAY_TMPDIR=tempfile.mkdtemp(prefix="ar-", dir="/tmp"))
+    result = subprocess.run([sys.executable, "-c", PROGRAM, *args], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_local_cluster_atom_ray_starts_has_the_local_settings_and_a_users_value_wins():
+    report = run_program(RAY_SERVE_CONTROL_LOOP_INTERVAL_S="0.3")
+    assert report["started"]
+    expected = {**LOCAL_CLUSTER_SETTINGS, "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.3"}
+    assert report["worker"] == expected
+
+
+def test_a_cluster_atom_ray_joins_keeps_its_own_settings(ray_cluster):
+    report = run_program(ray_cluster)
+    assert not report["started"]
+    assert set(report["worker"].values()) == {None}
+    assert set(report["driver"].values()) == {None}
