@@ -17,6 +17,13 @@ def unfused_rope() -> None:
     TritonAttentionBackend.forward = staticmethod(forward)
 
 
+def separate_decode_kernels() -> None:
+    """Decode-only steps as the three kernels before they were fused into one launch: the rotary KV-cache
+    write, the split-K decode and the reduction of its splits."""
+    from engine.kernels.triton import decode_attention
+    decode_attention.FUSED_DECODE = False
+
+
 def long_decode_splits() -> None:
     """Decode attention as before splits were allowed down to one 64-token tile: no split shorter than
     256 context tokens (so a batch-1 step walked up to four tiles per program)."""
@@ -77,4 +84,5 @@ def blas_gemm() -> None:
 KERNEL_VARIANTS = {"l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
                    "separate-silu-and-mul": separate_silu_and_mul,
                    "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
-                   "unfused-rope": unfused_rope, "long-decode-splits": long_decode_splits}
+                   "separate-decode-kernels": separate_decode_kernels, "unfused-rope": unfused_rope,
+                   "long-decode-splits": long_decode_splits}

@@ -1,6 +1,7 @@
 """Paged attention in Triton: the KV-cache write (fused with the rotary embedding when the layer hands
-over its rotation), split-K paged decode with its reduction, and a
-varlen flash-attention prefill that reads cached prefixes through the block table.
+over its rotation), a varlen flash-attention prefill that reads cached prefixes through the block table, and
+the backend that also dispatches decodes to decode_attention.py (split-K; decode-only steps with a rotary
+embedding in one fused launch).
 
 KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size] (keys, then values), the same
 as the torch reference, so that each token's head vector is one contiguous row."""
@@ -16,11 +17,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata, apply_rope
-from engine.kernels.triton import pdl
-from engine.kernels.triton.common import dot, rope_coefficients, rotated
+from engine.kernels.triton import decode_attention, pdl
+from engine.kernels.triton.common import dot, paged_rows, rope_coefficients, rotated
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 64
 
 
 @dataclass
@@ -99,94 +99,6 @@ def _rope_cache_write_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_
 
 
 @triton.jit
-def _paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head,
-                HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Element offsets (int64) of each token's head vector in a [blocks, page, heads, dim] cache."""
-    pages = tl.load(block_table_ptr + seq * stride_bt + tokens // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    slots = pages * PAGE_SIZE + tokens % PAGE_SIZE
-    return (slots * num_kv_heads + kv_head) * HEAD_SIZE
-
-
-@triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                   seq_lens_ptr, block_table_ptr, num_kv_heads, tiles_per_split, num_splits,
-                   sq_t, sq_h, so_t, so_h, stride_bt, scale_log2,
-                   GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        pdl.enter()
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(seq_len, BLOCK_N))
-    if tile_begin >= tile_end:  # this split lies past the end of a shorter context
-        return
-    # All query heads that share this KV head are one [G_PAD, D] tile: K and V are read once for them.
-    g = tl.arange(0, G_PAD)[:, None]
-    dims = tl.arange(0, D_PAD)[None, :]
-    heads = kv_head * GROUP + g
-    q_mask = (g < GROUP) & (dims < HEAD_SIZE)
-    q = tl.load(q_ptr + seq * sq_t + heads * sq_h + dims, mask=q_mask, other=0.0)
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    offs = tl.arange(0, BLOCK_N)
-    for tile in range(tile_begin, tile_end):
-        tokens = tile * BLOCK_N + offs
-        valid = tokens < seq_len
-        rows = _paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head,
-                           HEAD_SIZE, PAGE_SIZE)[:, None]
-        kv_mask = valid[:, None] & (dims < HEAD_SIZE)
-        k = tl.load(k_cache_ptr + rows + dims, mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k), UPCAST) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m - m_new)
-        v = tl.load(v_cache_ptr + rows + dims, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
-    if SINGLE_SPLIT:
-        out = acc / l[:, None]
-        tl.store(out_ptr + seq * so_t + heads * so_h + dims, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    else:
-        # Partials are [seqs, heads, splits, D] and [seqs, heads, splits, 2] (max, sum), fp32.
-        part = (seq * num_kv_heads * GROUP + heads) * num_splits + split
-        tl.store(part_acc_ptr + part * HEAD_SIZE + dims, acc, mask=q_mask)
-        tl.store(part_ml_ptr + part * 2, m[:, None], mask=g < GROUP)
-        tl.store(part_ml_ptr + part * 2 + 1, l[:, None], mask=g < GROUP)
-
-
-@triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_heads, tiles_per_split,
-                          num_splits, so_t, so_h,
-                          HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        pdl.enter()
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tiles_per_split)  # splits that saw any of this context
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, D_PAD)[None, :]
-    part = (seq * num_heads + head) * num_splits + splits
-    live = splits < used
-    m = tl.load(part_ml_ptr + part * 2, mask=live, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_SIZE + dims, mask=live[:, None] & (dims < HEAD_SIZE),
-                  other=0.0)
-    weight = tl.math.exp2(m - tl.max(m, axis=0))
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
-    dims = tl.arange(0, D_PAD)
-    tl.store(out_ptr + seq * so_t + head * so_h + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
-
-
-@triton.jit
 def _prefill_tile(acc, m, l, q, k_ptr, v_ptr, block_table_ptr, seq, stride_bt, sk_t, sk_h, sv_t, sv_h,
                   kv_start, num_kv_heads, kv_head, start, seq_len, query_pos, dims, scale_log2,
                   HEAD_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -194,8 +106,8 @@ def _prefill_tile(acc, m, l, q, k_ptr, v_ptr, block_table_ptr, seq, stride_bt, s
     tokens = start + tl.arange(0, BLOCK_N)
     valid = tokens < seq_len
     if PAGED:
-        rows = _paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head,
-                           HEAD_SIZE, PAGE_SIZE)[:, None]
+        rows = paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head,
+                          HEAD_SIZE, PAGE_SIZE)[:, None]
         k_rows, v_rows = rows, rows
     else:  # no cache (profiling): this step's keys and values are the whole context
         token_rows = (kv_start + tokens).to(tl.int64)[:, None]
@@ -336,6 +248,11 @@ class TritonAttentionBackend(AttentionBackend):
             k_src, v_src = key, value
         else:
             k_cache, v_cache = kv_cache[0], kv_cache[1]
+            if rope is not None and not metadata.num_prefills and decode_attention.FUSED_DECODE:
+                # A decode-only step (every CUDA-graph step): rotation, cache write and attention in one launch.
+                decode_attention.fused_decode(query, key, value, k_cache, v_cache, out, metadata, rope, group,
+                                              head_size, d_pad, block_n, num_warps, scale_log2, block_size, upcast)
+                return out
             if rope is not None:  # one kernel: rotate queries in place, rotated keys and values to the cache
                 _rope_and_cache_write(query, key, value, k_cache, v_cache, metadata.slot_mapping, rope,
                                       head_size, d_pad)
@@ -347,8 +264,8 @@ class TritonAttentionBackend(AttentionBackend):
                     HEAD_SIZE=head_size, BLOCK_H=block_h, D_PAD=d_pad, **pdl.launch_options(key))
             k_src, v_src = k_cache, v_cache
             if metadata.num_decodes:
-                _decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size, d_pad,
-                        block_n, num_warps, scale_log2, block_size, upcast)
+                decode_attention.decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size,
+                                        d_pad, block_n, num_warps, scale_log2, block_size, upcast)
         if metadata.num_prefills:
             grid = (num_heads, triton.cdiv(metadata.max_query_len, block_m), metadata.num_prefills)
             _prefill_kernel[grid](
@@ -360,45 +277,3 @@ class TritonAttentionBackend(AttentionBackend):
                 PAGE_SIZE=block_size, PAGED=kv_cache is not None, UPCAST=upcast,
                 num_warps=num_warps, num_stages=2, **pdl.launch_options(query))
         return out
-
-
-def decode_plan(metadata: TritonAttentionMetadata, num_kv_heads: int, block_n: int) -> tuple[int, int]:
-    """(num_splits, tiles_per_split) for this step's decodes: enough programs to fill the GPU twice over,
-    but no split shorter than `min_split_tokens`."""
-    key = (num_kv_heads, block_n)
-    plan = metadata._decode_plans.get(key)
-    if plan is None:
-        num_tiles = triton.cdiv(metadata.max_decode_seq_len, block_n)
-        wanted = triton.cdiv(2 * metadata.num_sms, metadata.num_decodes * num_kv_heads)
-        by_length = triton.cdiv(metadata.max_decode_seq_len, metadata.min_split_tokens)
-        splits = max(1, min(wanted, by_length, _MAX_SPLITS, num_tiles))
-        tiles_per_split = triton.cdiv(num_tiles, splits)
-        plan = metadata._decode_plans[key] = (triton.cdiv(num_tiles, tiles_per_split), tiles_per_split)
-    return plan
-
-
-def _decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size, d_pad, block_n,
-            num_warps, scale_log2, block_size, upcast, num_stages=2):
-    num_decodes = metadata.num_decodes
-    num_heads = num_kv_heads * group
-    num_splits, tiles_per_split = decode_plan(metadata, num_kv_heads, block_n)
-    single = num_splits == 1
-    if single:
-        part_acc = part_ml = out  # unused
-    else:
-        part_acc = torch.empty(num_decodes, num_heads, num_splits, head_size, dtype=torch.float32,
-                               device=query.device)
-        part_ml = torch.empty(num_decodes, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
-    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, out, part_acc, part_ml, metadata.seq_lens, metadata.block_table,
-        num_kv_heads, tiles_per_split, num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        metadata.block_table.stride(0), scale_log2,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size, D_PAD=d_pad,
-        BLOCK_N=block_n, PAGE_SIZE=block_size, SINGLE_SPLIT=single, UPCAST=upcast, num_warps=num_warps,
-        num_stages=num_stages, **pdl.launch_options(query))
-    if not single:
-        _decode_reduce_kernel[(num_decodes, num_heads)](
-            part_acc, part_ml, out, metadata.seq_lens, num_heads, tiles_per_split, num_splits,
-            out.stride(0), out.stride(1),
-            HEAD_SIZE=head_size, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
-            num_warps=4, **pdl.launch_options(out))

@@ -1,5 +1,6 @@
-"""Triton device functions that several kernel files share: the matrix product every kernel uses, and the
-rotary-embedding arithmetic of both the rotary kernel and the fused RoPE + KV-cache write."""
+"""Triton device functions that several kernel files share: the matrix product every kernel uses, the
+rotary-embedding arithmetic of the rotary kernel and of the kernels it is fused into, and the paged KV-cache
+addressing of the prefill and decode attention kernels."""
 from __future__ import annotations
 
 import triton
@@ -38,7 +39,17 @@ def rope_coefficients(table_ptr, position, stride_table, dims, dtype, HALF: tl.c
 
 @triton.jit
 def rotated(ptr, dims, partner, rotating, mask, cos, sin):
-    """The rotated features (fp32) of the head rows at `ptr`, where `mask`."""
+    """The rotated features (fp32) of the head rows at `ptr`, where `mask`. The explicit fma keeps the
+    compiler from contracting the sum either way round: every kernel that rotates gets the same bits."""
     x = tl.load(ptr + dims, mask=mask, other=0.0)
     x_partner = tl.load(ptr + partner, mask=mask & rotating, other=0.0)
-    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * sin
+    return tl.fma(x.to(tl.float32), cos, x_partner.to(tl.float32) * sin)
+
+
+@triton.jit
+def paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head,
+               HEAD_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets (int64) of each token's head vector in a [blocks, page, heads, dim] cache."""
+    pages = tl.load(block_table_ptr + seq * stride_bt + tokens // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    slots = pages * PAGE_SIZE + tokens % PAGE_SIZE
+    return (slots * num_kv_heads + kv_head) * HEAD_SIZE

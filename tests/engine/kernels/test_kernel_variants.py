@@ -2,6 +2,7 @@
 sequences: same results as the current kernels, through the old launches."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -12,7 +13,7 @@ pytest.importorskip("triton")
 from benchmarks import kernel_variants  # noqa: E402
 from engine.kernels import ops  # noqa: E402
 from engine.kernels.attention import CommonAttentionMetadata  # noqa: E402
-from engine.kernels.triton import gemv, pdl  # noqa: E402
+from engine.kernels.triton import attention, decode_attention, gemv, pdl  # noqa: E402
 from engine.kernels.triton.attention import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,6 +25,7 @@ def restore(monkeypatch):
     for name in ("forward", "build_metadata"):
         monkeypatch.setattr(TritonAttentionBackend, name, inspect.getattr_static(TritonAttentionBackend, name))
     monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW", gemv.PREFETCH_BYTES_PER_ROW)
+    monkeypatch.setattr(decode_attention, "FUSED_DECODE", decode_attention.FUSED_DECODE)
     for name in ("gemm", "gated_gemm"):
         monkeypatch.setattr(ops, name, getattr(ops, name))
     monkeypatch.setenv("ATOM_RAY_TRITON_PDL", "1")
@@ -55,6 +57,48 @@ def test_unfused_rope_gives_the_fused_result(restore):
     torch.testing.assert_close(caches[1], caches[0])
 
 
+class Recorded:
+    """A Triton kernel whose launches are noted by name."""
+    def __init__(self, kernel, name: str, launched: list) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
+def test_separate_decode_kernels_give_the_fused_result_through_three_launches(restore, monkeypatch):
+    """A decode-only step with a rotation: the fused kernel's output and cache, through the rotary cache
+    write, the split-K decode and its reduction."""
+    launched = []
+    for module, name in ((decode_attention, "_fused_decode_kernel"), (attention, "_rope_cache_write_kernel"),
+                         (decode_attention, "_decode_kernel"), (decode_attention, "_decode_reduce_kernel")):
+        monkeypatch.setattr(module, name, Recorded(getattr(module, name), name, launched))
+    q, k, v = (torch.randn(2, h, 64, device=DEVICE) for h in (4, 2, 2))
+    rope = (torch.tensor([40, 100], device=DEVICE), torch.randn(128, 64, device=DEVICE), True)
+    caches = [torch.randn(TritonAttentionBackend.kv_cache_shape(14, 16, 2, 64), device=DEVICE)]
+    caches.append(caches[0].clone())
+    common = CommonAttentionMetadata(
+        num_seqs=2, num_decodes=2, num_tokens=2,
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([41, 101], dtype=torch.int32, device=DEVICE),
+        block_table=torch.arange(14, dtype=torch.int32, device=DEVICE).view(2, 7),
+        slot_mapping=torch.tensor([2 * 16 + 8, 13 * 16 + 4], device=DEVICE), max_query_len=1, max_seq_len=101,
+        query_start_loc_cpu=[0, 1, 2], seq_lens_cpu=[41, 101], num_computed_tokens_cpu=[40, 100])
+
+    def step(cache):
+        metadata = dataclasses.replace(TritonAttentionBackend.build_metadata(common, 16), num_sms=64,
+                                       min_split_tokens=16)
+        return TritonAttentionBackend.forward(q.clone(), k, v, cache, metadata, 0.125, 16, rope)
+    fused = step(caches[0])
+    assert launched == ["_fused_decode_kernel"]
+    kernel_variants.separate_decode_kernels()
+    separate = step(caches[1])
+    assert launched[1:] == ["_rope_cache_write_kernel", "_decode_kernel", "_decode_reduce_kernel"]
+    torch.testing.assert_close(separate, fused)
+    assert torch.equal(caches[1], caches[0])
+
+
 def test_separate_silu_and_mul_gives_the_fused_result_through_separate_ops(restore, monkeypatch):
     """The gate/up GEMM and the SiLU-and-mul run as the table's two operations again."""
     from engine.kernels import triton as triton_backend
@@ -80,4 +124,4 @@ def test_long_decode_splits_and_prefetch_and_pdl_switches(restore):
     if DEVICE == "cuda":
         assert pdl.launch_options(torch.zeros(1, device="cuda")) == {"USE_PDL": False}
     assert set(kernel_variants.KERNEL_VARIANTS) >= {"pdl-off", "blas-gemm", "unfused-rope", "long-decode-splits",
-                                                      "separate-silu-and-mul"}
+                                                      "separate-silu-and-mul", "separate-decode-kernels"}

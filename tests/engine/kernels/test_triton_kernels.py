@@ -1,5 +1,6 @@
 """The Triton backend against the torch reference on fresh random inputs: norms, rotary embedding,
-SiLU-and-mul, paged attention (decode, prefill, mixed, cached prefixes, profiling) and sampling.
+SiLU-and-mul, paged attention (decode, the fused decode step, prefill, mixed, cached prefixes, profiling) and
+sampling.
 
 On a CUDA GPU the kernels run compiled at real sizes; elsewhere under TRITON_INTERPRET=1 at tiny sizes."""
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engine.kernels.torch.attention import TorchAttentionBackend  # noqa: E402
 from engine.kernels.torch.sampling import apply_top_k_top_p_min_p  # noqa: E402
 from engine.kernels.torch.sampling import sample as reference_sample  # noqa: E402
 from engine.kernels import triton as triton_backend  # noqa: E402
-from engine.kernels.triton import gemv, ops  # noqa: E402
+from engine.kernels.triton import decode_attention, gemv, ops  # noqa: E402
 from engine.kernels.triton.attention import TritonAttentionBackend  # noqa: E402
 from engine.kernels.triton.sampling import sample  # noqa: E402
 
@@ -378,6 +379,113 @@ def test_fused_rope_cache_write_equals_the_separate_kernels():
     assert torch.equal(fused_cache, separate_cache)
     assert torch.equal(fused, separate)
     assert int((fused_cache[0].flatten(0, 1).abs().sum(dim=(1, 2)) > 0).sum()) == len(positions) - 1
+
+
+def decode_step(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, rope, num_padding=0):
+    """A decode-only step: its batch (cached tokens per sequence), strided q/k/v views with `num_padding` more
+    rows, a cache of random prefixes and the rotation `rope` = (rotary_dim, is_neox) as the layer hands it."""
+    num_blocks = sum(-(-(cached + 1) // block_size) for cached in seqs) + 3
+    common = make_batch([(cached, 1) for cached in seqs], block_size, num_blocks)
+    query, key, value = qkv_views(len(seqs) + num_padding, num_heads, num_kv_heads, head_size, dtype)
+    cache = randn(*TritonAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
+    rotary_dim, is_neox = rope
+    positions = torch.tensor(seqs + [0] * num_padding, device=DEVICE)
+    return common, query, key, value, cache, (positions, cos_sin_table(max(seqs) + 1, rotary_dim), is_neox)
+
+
+def triton_decode(monkeypatch, fused, metadata, query, key, value, cache, rope_args, block_size):
+    """(output, cache after the step) through the fused kernel or the rotary cache write, split-K decode and
+    reduction kernels, on copies of the inputs."""
+    monkeypatch.setattr(decode_attention, "FUSED_DECODE", fused)
+    cache = cache.clone()
+    out = TritonAttentionBackend.forward(query.clone(), key.clone(), value, cache, metadata, 0.1, block_size,
+                                         rope_args)
+    return out, cache
+
+
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads,block_size,dtype,rope,splits", [
+    (64, 4, 4, 16, torch.float32, (64, True), "multi"),
+    (128, 8, 2, 32, torch.bfloat16, (128, False), "multi"),
+    (128, 8, 1, 16, torch.float32, (64, True), "multi"),  # more splits than the reduction takes at once
+    (256, 8, 1, 16, torch.bfloat16, (256, True), "multi"),
+    (96, 6, 2, 16, torch.float32, (48, False), "multi"),  # head size and group not powers of two
+    (64, 8, 2, 32, torch.bfloat16, (64, True), "single"),
+    (128, 8, 1, 16, torch.float32, (128, False), "single"),
+], ids=["d64-gqa1-bs16-fp32-neox", "d128-gqa4-bs32-bf16-gptj", "d128-gqa8-bs16-fp32-neox-partial",
+        "d256-gqa8-bs16-bf16-neox", "d96-gqa3-bs16-fp32-gptj-partial", "d64-gqa4-bs32-bf16-neox-one-split",
+        "d128-gqa8-bs16-fp32-gptj-one-split"])
+def test_fused_decode_matches_reference_and_the_separate_kernels(
+        monkeypatch, head_size, num_heads, num_kv_heads, block_size, dtype, rope, splits):
+    """A decode-only step in one kernel: the torch reference's output and cache, the cache bit for bit as the
+    three separate kernels write it, and their output (bit for bit where nothing is split)."""
+    if ON_GPU:
+        num_heads, num_kv_heads = num_heads * 4, num_kv_heads * 4
+    seqs = [block_size - 1, block_size, 150, 0, 3 * block_size + 5]
+    common, query, key, value, cache, rope_args = decode_step(seqs, num_heads, num_kv_heads, head_size,
+                                                              block_size, dtype, rope)
+    expected_cache = cache.clone()
+    expected = TorchAttentionBackend.forward(query.clone(), key.clone(), value, expected_cache, common, 0.1,
+                                             block_size, rope_args)
+    plan = dict(num_sms=1024, min_split_tokens=16) if splits == "multi" else dict(num_sms=1)
+    metadata = dataclasses.replace(TritonAttentionBackend.build_metadata(common, block_size), **plan)
+    fused, fused_cache = triton_decode(monkeypatch, True, metadata, query, key, value, cache, rope_args, block_size)
+    num_splits, _ = next(iter(metadata._decode_plans.values()))
+    assert (num_splits > 2) if splits == "multi" else (num_splits == 1)
+    separate, separate_cache = triton_decode(monkeypatch, False, dataclasses.replace(metadata, _decode_plans={}),
+                                             query, key, value, cache, rope_args, block_size)
+    assert torch.equal(fused_cache, separate_cache)
+    assert_matches(fused_cache, expected_cache, dtype)
+    loose = {k: 2 * v for k, v in TOLERANCE[dtype].items()} if dtype != torch.float32 else TOLERANCE[dtype]
+    torch.testing.assert_close(fused.float(), expected.float(), **loose)
+    if splits == "single":
+        assert torch.equal(fused, separate)
+    else:  # the same partials, combined in another order
+        assert_matches(fused, separate, dtype)
+
+
+def as_graph_step(common: CommonAttentionMetadata, num_padding: int, max_model_len: int) -> CommonAttentionMetadata:
+    """The batch as a captured decode graph sees it: padding rows after the real ones (no cache slot, one
+    token of context), and host-side lengths at max_model_len, which plan the splits."""
+    num_rows = common.num_seqs + num_padding
+    table = torch.zeros(num_rows, common.block_table.shape[1], dtype=torch.int32, device=DEVICE)
+    table[:common.num_seqs] = common.block_table
+    return CommonAttentionMetadata(
+        num_seqs=num_rows, num_decodes=num_rows, num_tokens=num_rows,
+        query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.cat((common.seq_lens, torch.ones(num_padding, dtype=torch.int32, device=DEVICE))),
+        block_table=table, slot_mapping=torch.cat((common.slot_mapping, torch.full((num_padding,), -1, device=DEVICE))),
+        max_query_len=1, max_seq_len=max_model_len, query_start_loc_cpu=list(range(num_rows + 1)),
+        seq_lens_cpu=[max_model_len] * num_rows, num_computed_tokens_cpu=[max_model_len - 1] * num_rows)
+
+
+def test_fused_decode_of_a_graph_step_with_padding_rows(monkeypatch):
+    """Splits planned for the longest context: most exit at once, a short context is one split that writes
+    its output directly, a long one is combined by its last split. Padding rows write nothing, and a second
+    launch finds the arrival counters back at zero."""
+    seqs, block_size = [40, 17, 200], 16
+    common, query, key, value, cache, (positions, table, is_neox) = decode_step(
+        seqs, 8, 2, 64, block_size, torch.float32, (64, True), num_padding=2)
+    metadata = dataclasses.replace(TritonAttentionBackend.build_metadata(as_graph_step(common, 2, 512), block_size),
+                                   num_sms=64, min_split_tokens=16)
+    rope_args = (positions, table, is_neox)
+    fused, fused_cache = triton_decode(monkeypatch, True, metadata, query, key, value, cache, rope_args, block_size)
+    assert next(iter(metadata._decode_plans.values()))[0] >= 8
+    assert not decode_attention._counters[query.device].any()
+    again, _ = triton_decode(monkeypatch, True, metadata, query, key, value, cache, rope_args, block_size)
+    assert torch.equal(again, fused)
+    separate, separate_cache = triton_decode(monkeypatch, False, dataclasses.replace(metadata, _decode_plans={}),
+                                             query, key, value, cache, rope_args, block_size)
+    assert torch.equal(fused_cache, separate_cache)
+    assert_matches(fused, separate, torch.float32)
+    written = torch.zeros(cache[0].flatten(0, 1).shape[0], dtype=torch.bool, device=DEVICE)
+    written[common.slot_mapping] = True
+    assert torch.equal(fused_cache.flatten(1, 2)[:, ~written], cache.flatten(1, 2)[:, ~written]), \
+        "padding rows write nothing"
+    expected_cache = cache.clone()
+    expected = TorchAttentionBackend.forward(query[:3].clone(), key[:3].clone(), value[:3], expected_cache, common,
+                                             0.1, block_size, (positions[:3], table, is_neox))
+    assert_matches(fused_cache, expected_cache, torch.float32)
+    assert_matches(fused[:3], expected, torch.float32)
 
 
 def test_decode_only_and_prefill_only_batches():

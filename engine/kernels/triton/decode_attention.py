@@ -1,0 +1,322 @@
+"""Paged decode attention in Triton (one query token per sequence): split-K over the context with a separate
+reduction, and for decode-only steps with a rotary embedding one fused launch that also rotates the query,
+writes the new key and value into the cache and reduces the splits.
+
+KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size], as in attention.py."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.triton import pdl
+from engine.kernels.triton.common import dot, paged_rows, rope_coefficients, rotated
+
+# Decode-only steps with a rotary embedding run as one kernel; off, they run the rotary cache write, the
+# split-K decode and its reduction as three (benchmarks/kernel_variants.py times both in one run).
+FUSED_DECODE = True
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, seq_len, num_kv_heads, kv_head,
+                  tile_begin, tile_end, dims, scale_log2,
+                  G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax (exp2) of a GQA group's queries over the context tiles [tile_begin, tile_end):
+    the unnormalised output, the running max and the running sum."""
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    offs = tl.arange(0, BLOCK_N)
+    for tile in range(tile_begin, tile_end):
+        tokens = tile * BLOCK_N + offs
+        valid = tokens < seq_len
+        rows = paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head,
+                          HEAD_SIZE, PAGE_SIZE)[:, None]
+        kv_mask = valid[:, None] & (dims < HEAD_SIZE)
+        k = tl.load(k_cache_ptr + rows + dims, mask=kv_mask, other=0.0)
+        s = dot(q, tl.trans(k), UPCAST) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m - m_new)
+        v = tl.load(v_cache_ptr + rows + dims, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                   seq_lens_ptr, block_table_ptr, num_kv_heads, tiles_per_split, num_splits,
+                   sq_t, sq_h, so_t, so_h, stride_bt, scale_log2,
+                   GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(seq_len, BLOCK_N))
+    if tile_begin >= tile_end:  # this split lies past the end of a shorter context
+        return
+    # All query heads that share this KV head are one [G_PAD, D] tile: K and V are read once for them.
+    g = tl.arange(0, G_PAD)[:, None]
+    dims = tl.arange(0, D_PAD)[None, :]
+    heads = kv_head * GROUP + g
+    q_mask = (g < GROUP) & (dims < HEAD_SIZE)
+    q = tl.load(q_ptr + seq * sq_t + heads * sq_h + dims, mask=q_mask, other=0.0)
+    acc, m, l = _attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, seq_len, num_kv_heads,
+                              kv_head, tile_begin, tile_end, dims, scale_log2,
+                              G_PAD, HEAD_SIZE, D_PAD, BLOCK_N, PAGE_SIZE, UPCAST)
+    if SINGLE_SPLIT:
+        out = acc / l[:, None]
+        tl.store(out_ptr + seq * so_t + heads * so_h + dims, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # Partials are [seqs, heads, splits, D] and [seqs, heads, splits, 2] (max, sum), fp32.
+        part = (seq * num_kv_heads * GROUP + heads) * num_splits + split
+        tl.store(part_acc_ptr + part * HEAD_SIZE + dims, acc, mask=q_mask)
+        tl.store(part_ml_ptr + part * 2, m[:, None], mask=g < GROUP)
+        tl.store(part_ml_ptr + part * 2 + 1, l[:, None], mask=g < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_heads, tiles_per_split,
+                          num_splits, so_t, so_h,
+                          HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl.enter()
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tiles_per_split)  # splits that saw any of this context
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, D_PAD)[None, :]
+    part = (seq * num_heads + head) * num_splits + splits
+    live = splits < used
+    m = tl.load(part_ml_ptr + part * 2, mask=live, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_SIZE + dims, mask=live[:, None] & (dims < HEAD_SIZE),
+                  other=0.0)
+    weight = tl.math.exp2(m - tl.max(m, axis=0))
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    dims = tl.arange(0, D_PAD)
+    tl.store(out_ptr + seq * so_t + head * so_h + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
+
+
+@triton.jit
+def _combine_splits(part_acc_ptr, part_ml_ptr, first_head, used, num_splits,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
+                    SPLIT_CHUNK: tl.constexpr):
+    """The normalised output [GROUP_PAD, D_PAD] of a GQA group from its `used` splits' partials, combined
+    online over chunks of splits (a whole [group, splits, D] tile would not fit in registers). The partials
+    were written by other programs: read from L2 (.cg), never from this multiprocessor's L1, which is not
+    coherent with their stores."""
+    # Padding rows repeat the group's last head: no out-of-range reads, no -inf - -inf.
+    g = tl.minimum(tl.arange(0, GROUP_PAD), GROUP - 1)[:, None, None]
+    chunk = tl.arange(0, SPLIT_CHUNK)[None, :, None]
+    dims = tl.arange(0, D_PAD)[None, None, :]
+    m = tl.full([GROUP_PAD, 1], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD, 1], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for start in range(0, used, SPLIT_CHUNK):
+        splits = start + chunk
+        part = (first_head + g) * num_splits + splits
+        live = splits < used
+        m_split = tl.load(part_ml_ptr + part * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+        l_split = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+        acc_split = tl.load(part_acc_ptr + part * HEAD_SIZE + dims, mask=live & (dims < HEAD_SIZE), other=0.0,
+                            cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(m_split, axis=1))
+        weight = tl.math.exp2(m_split - tl.expand_dims(m_new, 1))
+        alpha = tl.math.exp2(m - m_new)
+        acc = acc * alpha + tl.sum(acc_split * weight, axis=1)
+        l = l * alpha + tl.sum(l_split * weight, axis=1)
+        m = m_new
+    return acc / l
+
+
+@triton.jit
+def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr,
+                         table_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
+                         num_kv_heads, tiles_per_split, num_splits,
+                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, stride_bt, stride_table, scale_log2,
+                         GROUP: tl.constexpr, G_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+                         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+                         SPLIT_CHUNK: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    """One decode step of one layer: rotary embedding, KV-cache write, split-K attention and the reduction
+    of the splits, for grid (sequences, KV heads, splits)."""
+    if USE_PDL:
+        pdl.enter()
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    if tile_begin >= tile_end:  # this split lies past the end of a shorter context
+        return
+    g = tl.arange(0, G_PAD)[:, None]
+    dims = tl.arange(0, D_PAD)[None, :]
+    heads = kv_head * GROUP + g
+    q_mask = (g < GROUP) & (dims < HEAD_SIZE)
+    cos, sin, partner, rotating = rope_coefficients(table_ptr, tl.load(pos_ptr + seq).to(tl.int64), stride_table,
+                                                    dims, q_ptr.dtype.element_ty, HALF, IS_NEOX)
+    # Rounded to the activation dtype, as the unfused path stores the rotated query before attending.
+    q = rotated(q_ptr + seq * sq_t + heads * sq_h, dims, partner, rotating, q_mask, cos, sin)
+    q = q.to(q_ptr.dtype.element_ty)
+
+    slot = tl.load(slot_ptr + seq).to(tl.int64)  # negative: a padding row, nothing to store
+    if (tile_end == num_tiles) & (slot >= 0):  # this split's last tile holds the new token
+        row_mask = dims < HEAD_SIZE
+        dest = (slot * num_kv_heads + kv_head) * HEAD_SIZE + dims
+        k = rotated(key_ptr + seq * sk_t + kv_head * sk_h, dims, partner, rotating, row_mask, cos, sin)
+        tl.store(k_cache_ptr + dest, k.to(key_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=row_mask)
+        v = tl.load(value_ptr + seq * sv_t + kv_head * sv_h + dims, mask=row_mask)
+        tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=row_mask)
+        # The last tile reads this row back through the cache, by other threads than those that stored it: a
+        # CTA barrier makes the block's global stores visible to all its threads. Substituting the registers
+        # instead would cost a select on every K and V tile of every program (which tile is last is not known
+        # at compile time); the barrier costs one program per sequence and KV head a single bar.sync.
+        tl.debug_barrier()
+
+    acc, m, l = _attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, seq_len, num_kv_heads,
+                              kv_head, tile_begin, tile_end, dims, scale_log2,
+                              G_PAD, HEAD_SIZE, D_PAD, BLOCK_N, PAGE_SIZE, UPCAST)
+    out_rows = out_ptr + seq * so_t + heads * so_h + dims
+    if SINGLE_SPLIT:
+        tl.store(out_rows, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        used = tl.cdiv(num_tiles, tiles_per_split)  # splits with work: a short context in a long plan has one
+        if used == 1:
+            tl.store(out_rows, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            first_head = (seq * num_kv_heads + kv_head) * GROUP
+            part = (first_head + g) * num_splits + split
+            tl.store(part_acc_ptr + part * HEAD_SIZE + dims, acc, mask=q_mask)
+            tl.store(part_ml_ptr + part * 2, m[:, None], mask=g < GROUP)
+            tl.store(part_ml_ptr + part * 2 + 1, l[:, None], mask=g < GROUP)
+            # The split that arrives last combines them all. Ordering: the barrier orders every thread's
+            # partial stores before the single thread that issues the atomic; its release at GPU scope then
+            # publishes them with the count, and the acquire of whichever program reads used - 1 makes them
+            # visible to it (the result reaches its other threads through shared memory and a barrier; their
+            # loads go to L2). The same counter serves every layer: the last split resets it, and the next
+            # launch starts only after this one has finished (stream order, or pdl.enter's wait).
+            tl.debug_barrier()
+            counter = counter_ptr + seq * num_kv_heads + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                out = _combine_splits(part_acc_ptr, part_ml_ptr, first_head, used, num_splits,
+                                      GROUP, GROUP_PAD, HEAD_SIZE, D_PAD, SPLIT_CHUNK)
+                rows = tl.arange(0, GROUP_PAD)[:, None]
+                tl.store(out_ptr + seq * so_t + (kv_head * GROUP + rows) * so_h + dims,
+                         out.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (dims < HEAD_SIZE))
+                tl.store(counter, 0)
+
+
+# ---- launchers ----------------------------------------------------------------------------------------
+
+def decode_plan(metadata, num_kv_heads: int, block_n: int) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) for this step's decodes: enough programs to fill the GPU twice over,
+    but no split shorter than `min_split_tokens`."""
+    key = (num_kv_heads, block_n)
+    plan = metadata._decode_plans.get(key)
+    if plan is None:
+        num_tiles = triton.cdiv(metadata.max_decode_seq_len, block_n)
+        wanted = triton.cdiv(2 * metadata.num_sms, metadata.num_decodes * num_kv_heads)
+        by_length = triton.cdiv(metadata.max_decode_seq_len, metadata.min_split_tokens)
+        splits = max(1, min(wanted, by_length, _MAX_SPLITS, num_tiles))
+        tiles_per_split = triton.cdiv(num_tiles, splits)
+        plan = metadata._decode_plans[key] = (triton.cdiv(num_tiles, tiles_per_split), tiles_per_split)
+    return plan
+
+
+def _partials(num_decodes: int, num_heads: int, num_splits: int, head_size: int, device):
+    """Each split's unnormalised output and its (max, sum), fp32."""
+    return (torch.empty(num_decodes, num_heads, num_splits, head_size, dtype=torch.float32, device=device),
+            torch.empty(num_decodes, num_heads, num_splits, 2, dtype=torch.float32, device=device))
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The fused kernel's arrival counters (int32, zero between launches: the last split resets its own),
+    one per (sequence, KV head), shared by every layer and call on the device, which is safe while they
+    run one after another on one stream. CUDA graphs bake in the address, so a buffer is never freed, and
+    it is allocated outside capture: the eager warm-up step before each capture sizes it for that batch."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < needed:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "decode split counters must be allocated by an eager step before CUDA-graph capture"
+        if counters is not None:
+            _retired_counters.append(counters)  # graphs captured earlier still use it
+        counters = _counters[device] = torch.zeros(max(1 << 16, triton.next_power_of_2(needed)), dtype=torch.int32,
+                                                   device=device)
+    return counters
+
+
+def decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size, d_pad, block_n, num_warps,
+           scale_log2, block_size, upcast, num_stages=2):
+    """Split-K decode of the cached context (this step's keys and values already written), then the
+    reduction of the splits as a second kernel."""
+    num_decodes = metadata.num_decodes
+    num_heads = num_kv_heads * group
+    num_splits, tiles_per_split = decode_plan(metadata, num_kv_heads, block_n)
+    single = num_splits == 1
+    if single:
+        part_acc = part_ml = out  # unused
+    else:
+        part_acc, part_ml = _partials(num_decodes, num_heads, num_splits, head_size, query.device)
+    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, out, part_acc, part_ml, metadata.seq_lens, metadata.block_table,
+        num_kv_heads, tiles_per_split, num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        metadata.block_table.stride(0), scale_log2,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size, D_PAD=d_pad,
+        BLOCK_N=block_n, PAGE_SIZE=block_size, SINGLE_SPLIT=single, UPCAST=upcast, num_warps=num_warps,
+        num_stages=num_stages, **pdl.launch_options(query))
+    if not single:
+        _decode_reduce_kernel[(num_decodes, num_heads)](
+            part_acc, part_ml, out, metadata.seq_lens, num_heads, tiles_per_split, num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+            num_warps=4, **pdl.launch_options(out))
+
+
+def fused_decode(query, key, value, k_cache, v_cache, out, metadata, rope, group, head_size, d_pad, block_n,
+                 num_warps, scale_log2, block_size, upcast, num_stages=2):
+    """A decode-only step in one launch: queries rotated in registers (the query tensor is left as it is),
+    rotated keys and values written to the cache at `slot_mapping`, split-K attention and its reduction."""
+    positions, table, is_neox = rope
+    rotary_dim = table.shape[-1]
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_size, (rotary_dim, head_size)
+    table = table.contiguous()
+    num_decodes, num_kv_heads = metadata.num_decodes, key.shape[1]
+    num_splits, tiles_per_split = decode_plan(metadata, num_kv_heads, block_n)
+    single = num_splits == 1
+    group_pad = triton.next_power_of_2(group)
+    if single:
+        part_acc = part_ml = counters = out  # unused
+    else:
+        part_acc, part_ml = _partials(num_decodes, num_kv_heads * group, num_splits, head_size, query.device)
+        counters = split_counters(query.device, num_decodes * num_kv_heads)
+    # The last split combines chunks of splits at about the registers of one decode tile.
+    split_chunk = max(1, min(triton.next_power_of_2(num_splits), 4096 // (group_pad * d_pad)))
+    _fused_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+        positions.contiguous(), query, key, value, k_cache, v_cache, out, metadata.slot_mapping, table,
+        metadata.seq_lens, metadata.block_table, part_acc, part_ml, counters,
+        num_kv_heads, tiles_per_split, num_splits, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
+        table.stride(0), scale_log2,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), GROUP_PAD=group_pad, HEAD_SIZE=head_size,
+        D_PAD=d_pad, HALF=rotary_dim // 2, IS_NEOX=is_neox, BLOCK_N=block_n, PAGE_SIZE=block_size,
+        SINGLE_SPLIT=single, SPLIT_CHUNK=split_chunk, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_options(query))
