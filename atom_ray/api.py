@@ -13,15 +13,18 @@ from engine.sampling_params import SamplingParams
 from atom_ray.client import RayEngineClient, unwrap_ray_error
 from atom_ray.cluster import ensure_ray
 from atom_ray.coordinator import Coordinator
+from atom_ray.placement import create_placement_group, placement_options, rank_options
 
 
 class EngineHandle:
-    """A running engine instance: a Coordinator actor and its RankWorker actors."""
+    """A running engine instance: a Coordinator actor (TP rank 0 and the scheduler), the RankWorker actors
+    of its other ranks, and the placement group they run in."""
 
-    def __init__(self, coordinator, client: RayEngineClient) -> None:
+    def __init__(self, coordinator, client: RayEngineClient, group) -> None:
         self.coordinator = coordinator
         self.client = client
         self.tokenizer = client.tokenizer
+        self.group = group
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Same contract as engine.LLM.generate: outputs in input order."""
@@ -64,6 +67,7 @@ class EngineHandle:
             ray.get(self.coordinator.shutdown.remote(), timeout=60)
         finally:
             ray.kill(self.coordinator)
+            ray.util.remove_placement_group(self.group)
 
 
 def start(model: str, *, address: str | None = None, cpus_per_rank: int | None = None,
@@ -73,14 +77,19 @@ def start(model: str, *, address: str | None = None, cpus_per_rank: int | None =
     import ray
     config = EngineConfig.from_kwargs(model, **engine_args)  # invalid arguments fail here, in the caller
     ensure_ray(address)
-    coordinator = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=10_000).remote(
-        config, cpus_per_rank, accelerator_type, placement_timeout_s)
+    options = placement_options(config.device, config.tensor_parallel_size, cpus_per_rank, accelerator_type,
+                                placement_timeout_s)
+    group = create_placement_group(config.tensor_parallel_size, options)
+    # The coordinator is rank 0: it takes the first bundle (a GPU, or the rank's cores).
+    coordinator = ray.remote(Coordinator).options(**rank_options(group, 0, options), max_concurrency=10_000).remote(
+        config, group, options)
     try:
         info = ray.get(coordinator.initialize.remote())
     except Exception as exc:
         ray.kill(coordinator)
+        ray.util.remove_placement_group(group)
         raise unwrap_ray_error(exc) from None
-    return EngineHandle(coordinator, RayEngineClient(coordinator, info))
+    return EngineHandle(coordinator, RayEngineClient(coordinator, info), group)
 
 
 def _run_coroutine(coroutine):

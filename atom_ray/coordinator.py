@@ -1,20 +1,24 @@
-"""The Coordinator actor: one per engine instance. It owns the scheduler and the step loop, sends one plan
-per step to the TP group leader, and hands outputs to clients in batches (one poll returns every output
-a client's requests produced since its last poll), so Ray is never called per token per request."""
+"""The Coordinator actor: one per engine instance, running in the process of TP rank 0 (it holds that rank's
+GPU or cores, as vLLM's engine core does). An EngineLoop thread owns the scheduler and runs rank 0's steps,
+rank 0 broadcasting each plan to its peers (RankWorker actors), so a step costs no Ray call; the actor's
+event loop takes requests and aborts and hands outputs to clients in batches (one poll returns every
+output a client's requests produced since its last poll), so Ray is never called per token per request."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
 
 from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.outputs import PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 
 from atom_ray.executor import RayExecutor
+from atom_ray.placement import PlacementOptions
 
 logger = logging.getLogger(__name__)
 
@@ -57,54 +61,48 @@ class _Client:
 
 
 class Coordinator:
-    @staticmethod
-    def pipeline_depth_for(tensor_parallel_size: int) -> int:
-        """Plans at the workers at once. A step's result travels leader -> coordinator -> next plan -> leader
-        (-> peers over gloo) through Ray while the plans already queued run. With two, that round trip
-        must fit into one GPU step: it does at TP=1, not at TP>1 (measured at TP=2: 0.4-0.6 ms idle per
-        4 ms step; with three, none). TP=1 keeps two: its serving figures were measured so, and a third
-        plan only makes a new request wait one more step."""
-        return 2 if tensor_parallel_size == 1 else 3
-
-    def __init__(self, config: EngineConfig, cpus_per_rank: int | None = None,
-                 accelerator_type: str | None = None, placement_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, group, options: PlacementOptions) -> None:
         logging.basicConfig(level=logging.INFO)
         self.config = config
-        self.pipeline_depth = self.pipeline_depth_for(config.tensor_parallel_size)
-        self._executor_factory = partial(RayExecutor, cpus_per_rank=cpus_per_rank, accelerator_type=accelerator_type,
-                                         placement_timeout_s=placement_timeout_s)
-        self.engine: LLMEngine | None = None
+        self._executor_factory = partial(RayExecutor, group=group, options=options)
+        self._engine_loop: EngineLoop | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self.clients: dict[str, _Client] = defaultdict(_Client)
         self.owner: dict[str, str] = {}  # request id -> client id
         self.started: set[str] = set()  # requests that already sent their first output
-        self.error: BaseException | None = None
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
-        self._stopping = False
 
     async def initialize(self) -> dict:
-        """Start the rank workers and load the model (off the event loop: it blocks on Ray calls).
-        Returns what clients need: model, max_model_len and the tokenizer."""
-        if self.engine is None:
-            self.engine = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: LLMEngine(self.config, executor_factory=self._executor_factory, show_progress=False))
-            self.executor = self.engine.executor
-        return {"model": self.config.model, "max_model_len": self.engine.max_model_len,
-                "tokenizer": self.engine.tokenizer, "config": self.engine.config}
+        """Start the peers and load the model (on the engine thread). Returns what clients need: model,
+        max_model_len and the tokenizer."""
+        if self._engine_loop is None:
+            self._event_loop = asyncio.get_running_loop()
+            self._engine_loop = EngineLoop(
+                lambda: LLMEngine(self.config, executor_factory=self._executor_factory, show_progress=False),
+                self._publish, self._fail, name="coordinator-step-loop")
+        engine = await asyncio.wrap_future(self._engine_loop.built)
+        return {"model": self.config.model, "max_model_len": engine.max_model_len,
+                "tokenizer": engine.tokenizer, "config": engine.config}
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._engine_loop.error if self._engine_loop is not None else None
 
     # ---- called by clients ----------------------------------------------------------------------------
     async def add_request(self, client_id: str, request_id: str, prompt, params: SamplingParams) -> None:
         if self.error is not None:
             raise RuntimeError(f"the engine failed: {self.error!r}")
-        self.engine.add_request(request_id, prompt, params)  # raises InvalidRequestError to the caller
-        self.owner[request_id] = client_id
-        self._ensure_loop()
-        self._wake.set()
+        self.owner[request_id] = client_id  # first: outputs may come before the engine confirms the add
+        try:
+            # Raises InvalidRequestError to the caller when the engine refuses the request.
+            await asyncio.wrap_future(self._engine_loop.add(request_id, prompt, params))
+        except BaseException:
+            self.owner.pop(request_id, None)
+            raise
 
     async def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             if self.owner.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
+                self._engine_loop.abort(request_id)
                 self.started.discard(request_id)
 
     async def poll(self, client_id: str, timeout_s: float = 1.0) -> tuple[list[OutputDelta], dict]:
@@ -120,56 +118,26 @@ class Coordinator:
         return outbox, self.stats()
 
     def stats(self) -> dict:
-        stats = self.engine.stats()
+        stats = self._engine_loop.stats()
         stats["error"] = repr(self.error) if self.error is not None else None
         return stats
 
     async def shutdown(self) -> None:
-        self._stopping = True
-        if self._wake is not None:
-            self._wake.set()
-        if self._loop_task is not None:
-            await asyncio.wait([self._loop_task], timeout=30)
-        if self.engine is not None:
-            self.executor.shutdown()
+        if self._engine_loop is not None:  # joins the engine thread, then stops the peers: off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self._engine_loop.shutdown)
 
-    # ---- the step loop --------------------------------------------------------------------------------
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None:
-            self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    # ---- called on the engine thread ------------------------------------------------------------------
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._event_loop.call_soon_threadsafe(self._deliver, outputs)
 
-    async def _run(self) -> None:
-        engine = self.engine
-        in_flight: deque = deque()  # (plan, ObjectRef), oldest first
-        try:
-            while not self._stopping:
-                self._launch(in_flight)
-                if not in_flight:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                plan, ref = in_flight.popleft()
-                output = await ref
-                updated = engine.update_step(plan, output)
-                # Top the pipeline up before detokenizing, so the leader always has its next plan.
-                self._launch(in_flight)
-                self._deliver(engine.process_step(updated, output))
-        except Exception as exc:
-            logger.exception("engine step loop failed")
-            self.error = exc
-            for client in self.clients.values():
-                client.ready.set()
+    def _fail(self, exc: BaseException) -> None:
+        self._event_loop.call_soon_threadsafe(self._wake_all_clients)
 
-    def _launch(self, in_flight: deque) -> None:
-        """Keep `pipeline_depth` plans at the workers. A plan is made before the previous step's tokens
-        are known (the scheduler counts them as pending; the leader's runner already has them), so the
-        leader runs step after step without waiting for a round trip through Ray."""
-        while len(in_flight) < self.pipeline_depth and self.engine.scheduler.has_unfinished:
-            plan = self.engine.schedule_step()
-            if plan is None:
-                return
-            in_flight.append((plan, self.executor.execute_async(plan)))
+    # ---- on the event loop ----------------------------------------------------------------------------
+    def _wake_all_clients(self) -> None:
+        """Each client's poll returns at once, carrying the engine's error in its stats."""
+        for client in self.clients.values():
+            client.ready.set()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -1,14 +1,16 @@
-"""Runs the engine's step plans on RankWorker actors: one call per step, to the TP group leader."""
+"""Runs an engine's step plans: TP rank 0 in this process (the Coordinator's, which holds rank 0's GPU or
+cores), ranks 1..N-1 as RankWorker actors that run every plan rank 0 broadcasts to them over the CPU
+group. A step costs no Ray call at all: Ray only starts the peers and stops them."""
 from __future__ import annotations
 
-import itertools
 import logging
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.loader import ModelSource
+from engine.runner.worker import Worker
 
-from atom_ray.placement import create_placement_group, placement_options, rank_options
+from atom_ray.placement import PlacementOptions, rank_options, rendezvous_address, select_assigned_device
 from atom_ray.rank_worker import RankWorker
 
 logger = logging.getLogger(__name__)
@@ -16,54 +18,64 @@ logger = logging.getLogger(__name__)
 
 class RayExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
-                 eos_token_ids: frozenset[int], show_progress: bool = False, cpus_per_rank: int | None = None,
-                 accelerator_type: str | None = None, placement_timeout_s: float = 600.0) -> None:
+                 eos_token_ids: frozenset[int], show_progress: bool = False, *, group,
+                 options: PlacementOptions) -> None:
         import ray
         world_size = config.tensor_parallel_size
-        self.options = placement_options(config.device, world_size, cpus_per_rank, accelerator_type,
-                                         placement_timeout_s)
-        self.group = create_placement_group(world_size, self.options)
         actor = ray.remote(RankWorker)
-        self.workers = [actor.options(**rank_options(self.group, rank, self.options)).remote()
-                        for rank in range(world_size)]
-        self._follow_refs = []
-        self._plans = itertools.count()
+        self.peers = [actor.options(**rank_options(group, rank, options)).remote() for rank in range(1, world_size)]
+        self.worker: Worker | None = None
+        self._follow_refs: list = []
         try:
-            init_method = ray.get(self.workers[0].rendezvous_address.remote())
-            ray.get([worker.init_worker.remote(config, rank, world_size, init_method, max_model_len, eos_token_ids)
-                     for rank, worker in enumerate(self.workers)])
+            init_method = rendezvous_address()
+            # The peers join the group while rank 0 does: their calls are in flight before it blocks.
+            joined = [peer.init_worker.remote(config, rank, world_size, init_method, max_model_len, eos_token_ids)
+                      for rank, peer in enumerate(self.peers, start=1)]
+            select_assigned_device()
+            self.worker = Worker(config, 0, world_size, init_method, max_model_len, eos_token_ids)
+            ray.get(joined)
         except Exception:
             self.shutdown()
             raise
-        self.leader = self.workers[0]
+
+    @property
+    def runs_asynchronously(self) -> bool:
+        """Whether launching a step returns before it finishes (a GPU), so running ahead pays."""
+        return self.worker.runner.uses_cuda
 
     def determine_num_kv_blocks(self) -> int:
-        import ray
-        return min(ray.get([w.determine_num_kv_blocks.remote() for w in self.workers]))
+        return min(self._on_every_rank("determine_num_kv_blocks"))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        import ray
-        ray.get([w.initialize_kv_cache.remote(num_blocks) for w in self.workers])
-        self._follow_refs = [w.follow.remote() for w in self.workers[1:]]
+        self._on_every_rank("initialize_kv_cache", num_blocks)
+        self._follow_refs = [peer.follow.remote() for peer in self.peers]
 
     def execute_async(self, scheduled: SchedulerOutput):
-        """An ObjectRef of the leader's RunnerOutput (awaitable)."""
-        return self.leader.execute.remote(scheduled, next(self._plans))
+        """Rank 0 shares the plan with its peers and launches it; `.result()` gives its RunnerOutput."""
+        return self.worker.execute_async(scheduled)
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        import ray
-        return ray.get(self.execute_async(scheduled))
+        return self.execute_async(scheduled).result()
 
     def shutdown(self) -> None:
         import ray
         try:
             if self._follow_refs:
-                ray.get(self.workers[0].stop_followers.remote(), timeout=30)
+                self.worker.stop_followers()
                 ray.get(self._follow_refs, timeout=30)
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+            # Together: destroying an NCCL group waits for every rank to destroy it.
+            if self.worker is not None:
+                self._on_every_rank("shutdown", timeout_s=30)
+            else:
+                ray.get([peer.shutdown.remote() for peer in self.peers], timeout=30)
         except Exception as exc:  # shutting down: report, then force
             logger.warning("rank workers did not stop cleanly: %r", exc)
-        for worker in self.workers:
-            ray.kill(worker)
-        ray.util.remove_placement_group(self.group)
-        self.workers, self._follow_refs = [], []
+        for peer in self.peers:
+            ray.kill(peer)
+        self.peers, self._follow_refs = [], []
+
+    def _on_every_rank(self, method: str, *args, timeout_s: float | None = None) -> list:
+        """Run a collective method on every rank at once (the peers' calls go out before rank 0's runs)."""
+        import ray
+        refs = [getattr(peer, method).remote(*args) for peer in self.peers]
+        return [getattr(self.worker, method)(*args)] + ray.get(refs, timeout=timeout_s)

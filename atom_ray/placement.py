@@ -2,7 +2,15 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
+
+
+# Ray narrows each GPU actor's view to its own device unless told not to. Ranks of one TP group keep the
+# node's GPUs visible so that they can map each other's memory (the one-shot all-reduce in
+# engine/parallel/symmetric_all_reduce.py); each rank then selects its assigned GPU itself.
+KEEP_DEVICES_VISIBLE = {f"RAY_EXPERIMENTAL_NOSET_{name}": "1"
+                        for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}
 
 
 @dataclass
@@ -11,6 +19,7 @@ class PlacementOptions:
     cpus_per_rank: int
     accelerator_type: str | None = None
     timeout_s: float = 600.0
+    share_devices: bool = False  # GPU ranks of a TP group see every GPU of their node
 
     @property
     def bundle(self) -> dict:
@@ -34,7 +43,8 @@ def placement_options(device: str, tensor_parallel_size: int, cpus_per_rank: int
                            f"the Ray cluster has {gpus:g}")
     if cpus_per_rank is None:
         cpus_per_rank = 1 if use_gpu else max(1, (os.cpu_count() or 1) // tensor_parallel_size)
-    return PlacementOptions(use_gpu, cpus_per_rank, accelerator_type, timeout_s)
+    return PlacementOptions(use_gpu, cpus_per_rank, accelerator_type, timeout_s,
+                            share_devices=use_gpu and tensor_parallel_size > 1)
 
 
 def create_placement_group(num_ranks: int, options: PlacementOptions):
@@ -53,14 +63,49 @@ def create_placement_group(num_ranks: int, options: PlacementOptions):
 
 
 def rank_options(group, rank: int, options: PlacementOptions) -> dict:
-    """Actor options pinning a rank to its bundle. Ray sets CUDA_VISIBLE_DEVICES (HIP_VISIBLE_DEVICES on
-    ROCm) to the bundle's GPU, so every rank sees its own GPU as device 0; on CPU it sets OMP_NUM_THREADS
-    to the bundle's cores, which sizes torch's thread pool."""
+    """Actor options pinning a rank to its bundle. A single GPU rank sees only its own GPU (Ray sets
+    CUDA_VISIBLE_DEVICES, or HIP_VISIBLE_DEVICES on ROCm); ranks of a TP group on GPUs see the whole node
+    (`share_devices`) and pick theirs with `assigned_device_index`. On CPU Ray sets OMP_NUM_THREADS to
+    the bundle's cores, which sizes torch's thread pool."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    return {
+    options_ = {
         "num_cpus": options.cpus_per_rank,
         "num_gpus": 1 if options.use_gpu else 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=rank,
             placement_group_capture_child_tasks=False),
     }
+    if options.share_devices:
+        options_["runtime_env"] = {"env_vars": dict(KEEP_DEVICES_VISIBLE)}
+    return options_
+
+
+def assigned_device_index() -> int | None:
+    """Inside a GPU actor: its assigned GPU as an index among the devices this process sees (0 when Ray
+    narrowed the view to that GPU); None for an actor without a GPU."""
+    import ray
+    ids = ray.get_runtime_context().get_accelerator_ids().get("GPU") or []
+    if not ids:
+        return None
+    assert len(ids) == 1, f"a rank owns exactly one GPU, got {ids}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES")
+    return visible.split(",").index(ids[0]) if visible else int(ids[0])
+
+
+def select_assigned_device() -> None:
+    """Make this actor's GPU the current device (of the calling thread), before anything touches CUDA: the
+    engine runs on the current device."""
+    index = assigned_device_index()
+    if index is not None:
+        import torch
+        torch.cuda.set_device(index)
+
+
+def rendezvous_address() -> str:
+    """tcp://<this node's IP>:<a free port>, for a TP group's torch.distributed rendezvous at rank 0."""
+    import ray
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+    return f"tcp://{host}:{port}"

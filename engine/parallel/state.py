@@ -1,11 +1,14 @@
 """Tensor-parallel state of this process: its rank, the group's size, the device group (NCCL/RCCL on
-GPUs, gloo on CPU) and a gloo group for control messages."""
+GPUs, gloo on CPU), a gloo group for control messages, and on CUDA the one-shot all-reduce for small
+tensors (engine/parallel/symmetric_all_reduce.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from engine.parallel.symmetric_all_reduce import SymmetricAllReduce
 
 
 @dataclass
@@ -14,6 +17,7 @@ class ParallelState:
     tp_size: int = 1
     device_group: object | None = None
     cpu_group: object | None = None
+    small_all_reduce: object | None = None  # SymmetricAllReduce where the GPUs can map each other's memory
 
 
 _state = ParallelState()
@@ -32,12 +36,17 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
         _state = ParallelState()
         return _state
     import datetime
+    import os
+    from urllib.parse import urlparse
+    if urlparse(init_method).hostname in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the outward interface
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method=init_method, rank=tp_rank, world_size=tp_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     ranks = list(range(tp_size))
     cpu_group = dist.new_group(ranks, backend="gloo") if backend != "gloo" else dist.group.WORLD
-    _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group)
+    small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device) if backend == "nccl" else None
+    _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group, small_all_reduce)
     return _state
 
 
@@ -49,8 +58,11 @@ def destroy_parallel() -> None:
 
 
 def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the group: `x` itself, reduced in place, or a new tensor (use the result)."""
     if _state.tp_size == 1:
         return x
+    if _state.small_all_reduce is not None and _state.small_all_reduce.fits(x):
+        return _state.small_all_reduce(x)
     dist.all_reduce(x, group=_state.device_group)
     return x
 
