@@ -10,7 +10,9 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from atom_ray.cluster import LOCAL_CLUSTER_SETTINGS
+import pytest
+
+from atom_ray.cluster import LOCAL_CLUSTER_SETTINGS, haproxy_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,14 +27,19 @@ PROGRAM = textwrap.dedent("""
     def settings():
         return {key: os.environ.get(key) for key in LOCAL_CLUSTER_SETTINGS}
 
-    print(json.dumps({"started": started, "worker": ray.get(settings.remote()),
+    @ray.remote(num_cpus=0)
+    def haproxy():
+        return {key: value for key, value in os.environ.items() if key.startswith("RAY_SERVE_") and "HA" in key}
+
+    print(json.dumps({"started": started, "worker": ray.get(settings.remote()), "haproxy": ray.get(haproxy.remote()),
                       "driver": {key: os.environ.get(key) for key in LOCAL_CLUSTER_SETTINGS}}))
     ray.shutdown()
 """)
 
 
 def run_program(*args: str, **extra_env: str) -> dict:
-    env = {key: value for key, value in os.environ.items() if key not in LOCAL_CLUSTER_SETTINGS}
+    env = {key: value for key, value in os.environ.items()
+           if key not in LOCAL_CLUSTER_SETTINGS and not key.startswith("RAY_SERVE_")}
     env.pop("RAY_ADDRESS", None)
     env.update(extra_env, RAY_TMPDIR=tempfile.mkdtemp(prefix="ar-", dir="/tmp"))
     result = subprocess.run([sys.executable, "-c", PROGRAM, *args], cwd=ROOT, env=env, capture_output=True,
@@ -53,3 +60,20 @@ def test_a_cluster_atom_ray_joins_keeps_its_own_settings(ray_cluster):
     assert not report["started"]
     assert set(report["worker"].values()) == {None}
     assert set(report["driver"].values()) == {None}
+
+
+def test_a_local_cluster_gets_serves_haproxy_ingress_with_its_own_short_paths():
+    if not haproxy_available():
+        pytest.skip("no haproxy binary: Serve's Python proxy serves instead")
+    first, second = run_program()["haproxy"], run_program()["haproxy"]
+    assert first["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    # Two local clusters do not share HAProxy's files or side ports.
+    for key in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        assert first[key] != second[key]
+    # Serve adds a 56-character node id folder; HAProxy refuses socket paths over 97 characters.
+    assert len(first["RAY_SERVE_HAPROXY_SOCKET_PATH"]) + 57 <= 97
+
+
+def test_a_users_choice_of_ingress_wins():
+    report = run_program(RAY_SERVE_ENABLE_HA_PROXY="0")
+    assert report["haproxy"] == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}

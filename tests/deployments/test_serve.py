@@ -3,6 +3,7 @@ Ray driver, `serve run` of the shipped local config, and the `atom-ray serve` co
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,11 @@ def wait_healthy(url: str, timeout: float = 300) -> None:
             pass
         time.sleep(0.5)
     pytest.fail(f"{url} never became healthy")
+
+
+def kv_cache_usage(base: str) -> float:
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    return float(next(l for l in text.splitlines() if l.startswith("atom_ray:kv_cache_usage_perc")).split()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +99,7 @@ def test_bad_request_through_serve_is_an_openai_error(served):
 
 
 def test_disconnect_mid_stream_returns_kv_blocks(served):
-    def usage():
-        text = requests.get(f"{served}/metrics", timeout=10).text
-        line = next(l for l in text.splitlines() if l.startswith("atom_ray:kv_cache_usage_perc"))
-        return float(line.split()[-1])
-
-    baseline = usage()
+    baseline = kv_cache_usage(served)
     with requests.post(f"{served}/v1/completions", stream=True, timeout=60,
                        json={"model": "smol", "prompt": "Tell me a long story.", "max_tokens": 1500,
                              "ignore_eos": True, "stream": True}) as response:
@@ -106,9 +107,9 @@ def test_disconnect_mid_stream_returns_kv_blocks(served):
             if index > 10:
                 break
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and usage() > baseline:
+    while time.monotonic() < deadline and kv_cache_usage(served) > baseline:
         time.sleep(0.2)
-    assert usage() <= baseline
+    assert kv_cache_usage(served) <= baseline
 
 
 def test_another_ray_driver_streams_through_a_handle(served, ray_cluster):
@@ -166,20 +167,47 @@ def test_serve_run_of_the_local_config_answers(tmp_path):
 
 
 def test_atom_ray_serve_command_starts_its_own_local_ray():
-    """With no cluster to join it starts one on 127.0.0.1, prints the URL, serves, and cleans up on Ctrl-C."""
+    """With no cluster to join it starts one on 127.0.0.1 with Serve's HAProxy ingress in front of the
+    replica, prints the URL, streams completions (a client that leaves mid-stream gets its KV blocks
+    freed), and cleans up on Ctrl-C."""
+    from openai import OpenAI
+
+    from atom_ray.cluster import haproxy_available
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "atom_ray.cli", "serve", "--port", str(port),
                                 "--max-model-len", "1024"], cwd=ROOT, env=isolated_ray_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
     healthy = False
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", timeout=400)
+        wait_healthy(f"{base}/health", timeout=400)
         healthy = True
-        models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        if haproxy_available() and shutil.which("ss"):
+            listening = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
+            assert "haproxy" in listening, listening  # the port is HAProxy's, not Serve's Python proxy
+        models = requests.get(f"{base}/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == "smollm2-135m"
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=8,
+                                           temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "Paris" in "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 8
+
+        baseline = kv_cache_usage(base)
+        with requests.post(f"{base}/v1/completions", stream=True, timeout=60,
+                           json={"model": "smollm2-135m", "prompt": "Tell me a long story.", "max_tokens": 900,
+                                 "ignore_eos": True, "stream": True}) as response:
+            for index, _ in enumerate(response.iter_lines()):
+                if index > 10:
+                    break
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and kv_cache_usage(base) > baseline:
+            time.sleep(0.2)
+        assert kv_cache_usage(base) <= baseline
     finally:
         output = stop(process)
         if not healthy:
             print(output[-6000:])
-    assert f"http://127.0.0.1:{port}/v1" in output
+    assert f"{base}/v1" in output
     assert process.returncode == 0, output[-3000:]
