@@ -1,6 +1,8 @@
-"""What a tensor-parallel all-reduce costs a decode step: NCCL all-reduce latency on two GPUs.
+"""What a tensor-parallel all-reduce costs a decode step, on two GPUs: NCCL against the engine's own path
+(`tensor_parallel_all_reduce`: the one-shot symmetric-memory kernel for small tensors where it could be
+set up, NCCL otherwise).
 
-Two processes, each seeing only its own GPU (as Ray rank actors do), join a group through
+Two processes that see both GPUs (as Ray rank actors do at TP > 1) join a group through
 engine.parallel.init_parallel and time decode-sized all-reduces (batch x hidden, bf16) the way a decode
 step issues them: 64 back-to-back all-reduces captured in one CUDA graph, microseconds per all-reduce.
 The sums are checked against the exact result.
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 HIDDEN = 4096
@@ -20,45 +21,59 @@ GRAPH_CALLS = 64
 REPLAYS = 20
 
 
-def _rank(rank: int, world: int, port: int, queue) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+def _time_in_graph(reduce, x, rank: int) -> tuple[float, bool]:
+    """Microseconds per all-reduce of GRAPH_CALLS chained reduces in one CUDA graph, and whether one
+    replay gave the exact sum."""
     import torch
-    import torch.distributed as dist
+    initial = float(rank + 1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        reduce(x.clone())  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(GRAPH_CALLS):
+            y = reduce(y)
+    x.fill_(initial)
+    graph.replay()  # 1+2 summed 64 times is 3 * 2**63, exact in bf16
+    torch.cuda.synchronize()
+    exact = bool((y == 3.0 * 2.0 ** (GRAPH_CALLS - 1)).all())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (REPLAYS * GRAPH_CALLS), exact
 
-    from engine.parallel import state
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    group = state.init_parallel(rank, world, f"tcp://127.0.0.1:{port}", device).device_group
+
+def _rank(rank: int, world: int, port: int, queue) -> None:
     report = {"rank": rank, "sizes": []}
     try:
+        import torch
+        import torch.distributed as dist
+
+        from engine.parallel import state
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        parallel = state.init_parallel(rank, world, f"tcp://127.0.0.1:{port}", device)
+        report["symmetric_memory"] = parallel.small_all_reduce is not None
+
+        def nccl(x):
+            dist.all_reduce(x, group=parallel.device_group)
+            return x
         for batch in BATCHES:
             x = torch.full((batch, HIDDEN), float(rank + 1), device=device, dtype=torch.bfloat16)
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                dist.all_reduce(x.clone(), group=group)  # warm NCCL up outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(graph):
-                for _ in range(GRAPH_CALLS):
-                    dist.all_reduce(x, group=group)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            x.fill_(float(rank + 1))
-            graph.replay()  # one replay: 1+2 summed 64 times is 3 * 2**63, exact in bf16
-            torch.cuda.synchronize()
-            exact = bool((x == 3.0 * 2.0 ** (GRAPH_CALLS - 1)).all())
-            start.record()
-            for _ in range(REPLAYS):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            report["sizes"].append({"batch": batch, "bytes": x.numel() * x.element_size(), "exact": exact,
-                                    "us_per_all_reduce": start.elapsed_time(end) * 1000 / (REPLAYS * GRAPH_CALLS)})
+            entry = {"batch": batch, "bytes": x.numel() * x.element_size()}
+            entry["nccl_us"], entry["nccl_exact"] = _time_in_graph(nccl, x, rank)
+            entry["engine_us"], entry["engine_exact"] = _time_in_graph(state.tensor_parallel_all_reduce, x, rank)
+            report["sizes"].append(entry)
+        state.destroy_parallel()
     except Exception as exc:  # reported, not raised: the parent prints it
         report["error"] = repr(exc)
     queue.put(report)
-    state.destroy_parallel()
 
 
 def main() -> None:
@@ -77,8 +92,12 @@ def main() -> None:
     reports = sorted((queue.get(timeout=300) for _ in procs), key=lambda r: r["rank"])
     for p in procs:
         p.join(timeout=60)
-    print_table(["batch", "bytes", "us per all-reduce (in a graph)", "exact"],
-                [(e["batch"], e["bytes"], f"{e['us_per_all_reduce']:.1f}", e["exact"]) for e in reports[0]["sizes"]])
+        if p.is_alive():
+            p.kill()
+    print(f"engine path uses symmetric memory: {reports[0].get('symmetric_memory')}")
+    print_table(["batch", "bytes", "NCCL us per all-reduce (in a graph)", "engine path us", "exact (NCCL / engine)"],
+                [(e["batch"], e["bytes"], f"{e['nccl_us']:.1f}", f"{e['engine_us']:.1f}",
+                  f"{e['nccl_exact']} / {e['engine_exact']}") for e in reports[0]["sizes"]])
     for report in reports:
         if "error" in report:
             print(f"rank {report['rank']} error: {report['error']}")

@@ -1,17 +1,18 @@
 """What Ray and Serve cost over the bare engine, measured in one run on the same machine.
 
 Three paths serve the same 16 concurrent requests (fixed prompts, fixed output lengths, `ignore_eos`):
-the bare `engine.LLM.generate` in this process, `atom_ray.start(...).generate` (Coordinator + one
-RankWorker actor, TP=1, the same contract), and HTTP streaming through the Serve deployment with the
-OpenAI API, both on the local Ray cluster that atom-ray starts (`atom_ray.cluster.ensure_ray`). Every path
-runs the workload once untimed first (on this CPU a first pass is ~15 % slower: new batch shapes), then
-timed. Reported: output tokens/s and each path's ratio to the bare engine
-(measured right before and after that path, to follow a drifting machine), the mean time to first token of the streamed paths at
-that load, and the time to first token of a one-token request on an idle engine, alternating requests to
-the bare engine and to the path so that both see the same machine; the difference of the medians is what
-Ray and Serve add.
+the bare `engine.LLM.generate` in this process, `atom_ray.start(...).generate` (the Coordinator actor
+running TP rank 0, the same contract), and HTTP streaming through the Serve deployment with the OpenAI API,
+both on the local Ray cluster that atom-ray starts (`atom_ray.cluster.ensure_ray`, with Serve's HAProxy
+ingress where available). Every engine runs the workload once untimed first (on this CPU a first pass is
+~15 % slower: new batch shapes). A shared 2-core VM drifts by 20 % and more within minutes, so each path's
+timed runs alternate with bare runs (bare, path, bare, path, ..., bare) and each path run is compared with
+the mean of the bare runs on either side; the median of those ratios is reported. Also reported: the mean
+time to first token of the streamed paths at that load, and the time to first token of a one-token request
+on an idle engine, alternating requests to the bare engine and to the path so that both see the same
+machine; the difference of the medians is what Ray and Serve add.
 
-    python -m benchmarks.ray_overhead [--model smollm2-135m] [--out bench_out/ray_overhead.json]
+    python -m benchmarks.ray_overhead [--model smollm2-135m] [--rounds 3] [--out bench_out/ray_overhead.json]
 """
 from __future__ import annotations
 
@@ -61,15 +62,27 @@ async def run_streams(stream_fn, prompts, output_lens) -> dict:
     return {"tok_s": sum(produced) / seconds, "seconds": seconds, "mean_ttft_s": statistics.mean(ttfts)}
 
 
-def offline_path(generate, prompts, output_lens) -> dict:
-    """engine.LLM / EngineHandle: generate(prompts, params) -> outputs; output tokens/s."""
-    params = [params_for(n) for n in output_lens]
-    generate(prompts, params)  # warm-up: the workload once, so every batch shape has run before timing
+def timed_generate(generate, prompts, params) -> float:
+    """engine.LLM / EngineHandle: output tokens/s of generate(prompts, params) -> outputs."""
     start = time.perf_counter()
     outputs = generate(prompts, params)
     seconds = time.perf_counter() - start
-    assert sum(len(o.token_ids) for o in outputs) == sum(output_lens)
-    return {"tok_s": sum(output_lens) / seconds, "seconds": seconds}
+    produced = sum(len(o.token_ids) for o in outputs)
+    assert produced == sum(p.max_tokens for p in params)
+    return produced / seconds
+
+
+def interleaved(bare_run, path_run, rounds: int) -> dict:
+    """bare, path, bare, ..., path, bare (after one untimed run of the path): each path run against the mean of
+    the bare runs on either side, and the median of those ratios."""
+    path_run()
+    bare_runs, path_runs = [bare_run()], []
+    for _ in range(rounds):
+        path_runs.append(path_run())
+        bare_runs.append(bare_run())
+    ratios = [path / ((before + after) / 2) for path, before, after in zip(path_runs, bare_runs, bare_runs[1:])]
+    return {"tok_s": statistics.median(path_runs), "tok_s_runs": path_runs, "bare_tok_s_runs": bare_runs,
+            "ratios": ratios, "ratio_vs_bare": statistics.median(ratios)}
 
 
 def ray_stream(handle):
@@ -97,19 +110,16 @@ def http_stream(client, model: str):
     return stream
 
 
-async def measure_streams(stream_fn, prompts, output_lens, bare_generate) -> dict:
-    """Warm-up (the workload once, as for the bare engine), the concurrent workload, then idle TTFT
-    alternating with the bare engine."""
-    await run_streams(stream_fn, prompts, output_lens)
-    result = await run_streams(stream_fn, prompts, output_lens)
-    result.update(await interleaved_idle_ttft(stream_fn, bare_generate, prompts[0]))
-    return result
-
-
-async def measure_http(base_url: str, model: str, prompts, output_lens, bare_generate) -> dict:
+def http_path(base_url: str, model: str):
+    """Runs of HTTP streaming workloads, each with a fresh light client."""
     import httpx
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-        return await measure_streams(http_stream(client, model), prompts, output_lens, bare_generate)
+
+    def with_client(work):
+        async def run():
+            async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+                return await work(http_stream(client, model))
+        return asyncio.run(run())
+    return with_client
 
 
 async def interleaved_idle_ttft(stream_fn, bare_generate, prompt: str, rounds: int = 9) -> dict:
@@ -136,6 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs of each path, each between two bare runs")
     parser.add_argument("--out", default="bench_out/ray_overhead.json")
     args = parser.parse_args()
 
@@ -152,42 +163,53 @@ def main() -> None:
     from engine import LLM
 
     engine_args = {"max_model_len": 2048}
-    results = {"environment": environment_record(), "model": args.model, "num_requests": NUM_REQUESTS}
+    results = {"environment": environment_record(), "model": args.model, "num_requests": NUM_REQUESTS,
+               "rounds": args.rounds}
 
     bare = LLM(args.model, show_progress=False, **engine_args)
     prompts, output_lens = workload(bare.get_tokenizer())
-    bare_runs = [offline_path(bare.generate, prompts, output_lens)["tok_s"]]
+    params = [params_for(n) for n in output_lens]
+    bare.generate(prompts, params)  # warm-up: every batch shape has run before timing
+
+    def bare_run():
+        return timed_generate(bare.generate, prompts, params)
 
     ensure_ray(join_running=False)  # the local cluster atom_ray.start and `atom-ray serve` would start
+    results["haproxy_ingress"] = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
     handle = atom_ray.start(args.model, **engine_args)
-    results["ray"] = offline_path(handle.generate, prompts, output_lens)
-    results["ray"].update({k: v for k, v in asyncio.run(measure_streams(
-        ray_stream(handle), prompts, output_lens, bare.generate)).items() if k not in ("tok_s", "seconds")})
+    results["ray"] = interleaved(bare_run, lambda: timed_generate(handle.generate, prompts, params), args.rounds)
+    results["ray"].update(asyncio.run(run_streams(ray_stream(handle), prompts, output_lens)))
+    results["ray"].update(asyncio.run(interleaved_idle_ttft(ray_stream(handle), bare.generate, prompts[0])))
     handle.shutdown()
-    bare_runs.append(offline_path(bare.generate, prompts, output_lens)["tok_s"])
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     serve.run(build_app({"model": args.model, "engine_args": engine_args}), name="bench", route_prefix="/",
               blocking=False)
     base = f"http://127.0.0.1:{args.port}"
     wait_until_healthy(f"{base}/health", 600)
-    results["http"] = asyncio.run(measure_http(base, args.model, prompts, output_lens, bare.generate))
+    http = http_path(base, args.model)
+    streamed = {}
+
+    def http_run():
+        streamed.update(http(lambda stream: run_streams(stream, prompts, output_lens)))
+        return streamed["tok_s"]
+    results["http"] = interleaved(bare_run, http_run, args.rounds)
+    results["http"]["mean_ttft_s"] = streamed["mean_ttft_s"]
+    results["http"].update(http(lambda stream: interleaved_idle_ttft(stream, bare.generate, prompts[0])))
     serve.shutdown()
     ray.shutdown()
-    bare_runs.append(offline_path(bare.generate, prompts, output_lens)["tok_s"])
 
-    results["bare"] = {"tok_s_runs": bare_runs}
-    results["ray"]["bare_tok_s"] = statistics.mean(bare_runs[:2])
-    results["http"]["bare_tok_s"] = statistics.mean(bare_runs[1:])
-    rows = [("bare", " / ".join(f"{r:.1f}" for r in bare_runs), "1.00x", "-", "-", "-")]
+    rows = []
     for path in ("ray", "http"):
         r = results[path]
-        r["ratio_vs_bare"] = r["tok_s"] / r["bare_tok_s"]
-        rows.append((path, f"{r['tok_s']:.1f}", f"{r['ratio_vs_bare']:.2f}x", f"{r['mean_ttft_s'] * 1000:.0f}",
+        rows.append((path, " / ".join(f"{t:.1f}" for t in r["tok_s_runs"]),
+                     " / ".join(f"{t:.1f}" for t in r["bare_tok_s_runs"]),
+                     " / ".join(f"{x:.2f}" for x in r["ratios"]), f"{r['ratio_vs_bare']:.2f}x",
+                     f"{r['mean_ttft_s'] * 1000:.0f}",
                      f"{r['idle_ttft_s'] * 1000:.1f} (bare {r['bare_idle_ttft_s'] * 1000:.1f})",
                      f"{r['added_idle_ttft_ms']:+.1f}"))
-    print_table(["path", "output tok/s", "vs bare (before/after)", "mean TTFT ms (16 conc.)", "idle TTFT ms",
-                 "added TTFT ms"], rows)
+    print_table(["path", "output tok/s", "bare tok/s (around them)", "ratios", "median ratio",
+                 "mean TTFT ms (16 conc.)", "idle TTFT ms", "added TTFT ms"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 

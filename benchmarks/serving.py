@@ -155,9 +155,11 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from atom_ray.cluster import ensure_ray
     from atom_ray.serving import wait_until_healthy
     from deployments.serve_app import build_app
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
+    ensure_ray(join_running=False)  # the cluster `atom-ray serve` starts (HAProxy ingress where available)
+    results["haproxy_ingress"] = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     serve.run(build_app({"model": model, "served_model_name": "bench", "engine_args": ENGINE_ARGS,
                          "max_pending_requests": 4096}), name="bench", route_prefix="/", blocking=False)

@@ -126,8 +126,13 @@ def main() -> None:
     from engine import LLM
 
     results = {"environment": environment_record(), "model": args.model, "engine_args": ENGINE_ARGS}
+
+    def save() -> None:  # after every stage, so a run cut short still leaves what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
     bare = LLM(args.model, dtype="bfloat16", show_progress=False, **ENGINE_ARGS)
     results["bare_tok_s"] = decode_rate(bare.generate)
+    save()
     del bare
     gc.collect()
     torch.cuda.empty_cache()
@@ -160,6 +165,7 @@ def main() -> None:
             try:
                 if dtype == "bfloat16":
                     results[f"ray_tp{tp}_tok_s"] = decode_rate(handle.generate)
+                    save()
                 tops[(dtype, tp)] = top1_tokens(handle.generate)
             finally:
                 handle.shutdown()
@@ -167,6 +173,15 @@ def main() -> None:
         results[f"teacher_forced_agreement_{dtype}"] = results[f"teacher_forced_{dtype}"]["agreement"]
     results["noise_floor_bfloat16"] = agreement(tops[("bfloat16", 1)], chunked_tops)
     ray.shutdown()
+    # The same TP=2 engine with every all-reduce on NCCL (no symmetric-memory one-shot kernel): before/after.
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
+             runtime_env={"env_vars": {"ATOM_RAY_SYMMETRIC_ALL_REDUCE": "0"}})
+    handle = atom_ray.start(args.model, dtype="bfloat16", tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        results["ray_tp2_nccl_only_tok_s"] = decode_rate(handle.generate)
+    finally:
+        handle.shutdown()
+        ray.shutdown()
 
     results["tp2_speedup"] = results["ray_tp2_tok_s"] / results["ray_tp1_tok_s"]
     results["ray_tp1_vs_bare"] = results["ray_tp1_tok_s"] / results["bare_tok_s"]
@@ -174,6 +189,8 @@ def main() -> None:
         ("bare engine (TP=1)", f"{results['bare_tok_s']:.1f}", "1.00"),
         ("Ray TP=1", f"{results['ray_tp1_tok_s']:.1f}", f"{results['ray_tp1_vs_bare']:.3f} of bare"),
         ("Ray TP=2", f"{results['ray_tp2_tok_s']:.1f}", f"{results['tp2_speedup']:.2f}x TP=1"),
+        ("Ray TP=2, every all-reduce on NCCL", f"{results['ray_tp2_nccl_only_tok_s']:.1f}",
+         f"{results['ray_tp2_nccl_only_tok_s'] / results['ray_tp1_tok_s']:.2f}x TP=1"),
     ])
     print(f"teacher-forced top-1 agreement TP=2 vs TP=1 over {TEACHER_LEN - 1} positions: "
           f"bf16 {results['teacher_forced_bfloat16']}, fp32 {results['teacher_forced_float32']}")
