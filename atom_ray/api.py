@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import AsyncIterator, Sequence
 
@@ -14,6 +15,8 @@ from atom_ray.client import RayEngineClient, unwrap_ray_error
 from atom_ray.cluster import ensure_ray
 from atom_ray.coordinator import Coordinator
 from atom_ray.placement import create_placement_group, placement_options, rank_options
+
+logger = logging.getLogger(__name__)
 
 
 class EngineHandle:
@@ -60,11 +63,15 @@ class EngineHandle:
     def stats(self) -> dict:
         return self.client.stats()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop the engine: a clean stop of its ranks if it comes within `timeout_s`, then the actors are
+        killed and the placement group removed either way."""
         import ray
         self.client.close()
         try:
-            ray.get(self.coordinator.shutdown.remote(), timeout=60)
+            ray.get(self.coordinator.shutdown.remote(), timeout=timeout_s)
+        except Exception as exc:  # a rank that hangs in its collectives' teardown must not stop the caller
+            logger.warning("the engine did not stop cleanly within %.0f s (%r); its actors are killed", timeout_s, exc)
         finally:
             ray.kill(self.coordinator)
             ray.util.remove_placement_group(self.group)

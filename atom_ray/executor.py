@@ -62,12 +62,12 @@ class RayExecutor:
         try:
             if self._follow_refs:
                 self.worker.stop_followers()
-                ray.get(self._follow_refs, timeout=30)
+                ray.get(self._follow_refs, timeout=20)
             # Together: destroying an NCCL group waits for every rank to destroy it.
             if self.worker is not None:
-                self._on_every_rank("shutdown", timeout_s=30)
+                self._on_every_rank("shutdown", timeout_s=20)
             else:
-                ray.get([peer.shutdown.remote() for peer in self.peers], timeout=30)
+                ray.get([peer.shutdown.remote() for peer in self.peers], timeout=20)
         except Exception as exc:  # shutting down: report, then force
             logger.warning("rank workers did not stop cleanly: %r", exc)
         for peer in self.peers:

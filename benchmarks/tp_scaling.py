@@ -172,6 +172,7 @@ def main() -> None:
         results[f"teacher_forced_{dtype}"] = agreement(tops[(dtype, 1)], tops[(dtype, 2)])
         results[f"teacher_forced_agreement_{dtype}"] = results[f"teacher_forced_{dtype}"]["agreement"]
     results["noise_floor_bfloat16"] = agreement(tops[("bfloat16", 1)], chunked_tops)
+    save()
     ray.shutdown()
     # The same TP=2 engine with every all-reduce on NCCL (no symmetric-memory one-shot kernel): before/after.
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
@@ -179,6 +180,7 @@ def main() -> None:
     handle = atom_ray.start(args.model, dtype="bfloat16", tensor_parallel_size=2, **ENGINE_ARGS)
     try:
         results["ray_tp2_nccl_only_tok_s"] = decode_rate(handle.generate)
+        save()
     finally:
         handle.shutdown()
         ray.shutdown()
