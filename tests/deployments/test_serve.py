@@ -98,18 +98,22 @@ def test_bad_request_through_serve_is_an_openai_error(served):
     assert unknown.status_code == 404
 
 
-def test_disconnect_mid_stream_returns_kv_blocks(served):
-    baseline = kv_cache_usage(served)
-    with requests.post(f"{served}/v1/completions", stream=True, timeout=60,
-                       json={"model": "smol", "prompt": "Tell me a long story.", "max_tokens": 1500,
+def assert_leaving_mid_stream_frees_kv_blocks(base: str, model: str, max_tokens: int) -> None:
+    baseline = kv_cache_usage(base)
+    with requests.post(f"{base}/v1/completions", stream=True, timeout=60,
+                       json={"model": model, "prompt": "Tell me a long story.", "max_tokens": max_tokens,
                              "ignore_eos": True, "stream": True}) as response:
         for index, _ in enumerate(response.iter_lines()):
             if index > 10:
                 break
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and kv_cache_usage(served) > baseline:
+    while time.monotonic() < deadline and kv_cache_usage(base) > baseline:
         time.sleep(0.2)
-    assert kv_cache_usage(served) <= baseline
+    assert kv_cache_usage(base) <= baseline
+
+
+def test_disconnect_mid_stream_returns_kv_blocks(served):
+    assert_leaving_mid_stream_frees_kv_blocks(served, "smol", max_tokens=1500)
 
 
 def test_another_ray_driver_streams_through_a_handle(served, ray_cluster):
@@ -193,18 +197,7 @@ def test_atom_ray_serve_command_starts_its_own_local_ray():
         chunks = list(stream)
         assert "Paris" in "".join(c.choices[0].text for c in chunks if c.choices)
         assert chunks[-1].usage.completion_tokens == 8
-
-        baseline = kv_cache_usage(base)
-        with requests.post(f"{base}/v1/completions", stream=True, timeout=60,
-                           json={"model": "smollm2-135m", "prompt": "Tell me a long story.", "max_tokens": 900,
-                                 "ignore_eos": True, "stream": True}) as response:
-            for index, _ in enumerate(response.iter_lines()):
-                if index > 10:
-                    break
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and kv_cache_usage(base) > baseline:
-            time.sleep(0.2)
-        assert kv_cache_usage(base) <= baseline
+        assert_leaving_mid_stream_frees_kv_blocks(base, "smollm2-135m", max_tokens=900)
     finally:
         output = stop(process)
         if not healthy:
