@@ -1,6 +1,7 @@
 """Connecting to Ray: join a running cluster, or start a local one bound to loopback without dashboard."""
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -100,7 +101,10 @@ def ensure_ray(address: str | None = None, join_running: bool = True, num_cpus: 
             pass
     settings = {**LOCAL_CLUSTER_SETTINGS}
     if "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ:  # a user who set it decides the ingress
-        settings.update(haproxy_ingress_settings())
+        ingress = haproxy_ingress_settings()
+        settings.update(ingress)
+        if ingress:  # registered before ray.init, so it runs after Ray's own shutdown at exit
+            atexit.register(shutil.rmtree, ingress["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"], True)
     for key, value in settings.items():
         os.environ.setdefault(key, value)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,8 +43,11 @@ def run_program(*args: str, **extra_env: str) -> dict:
            if key not in LOCAL_CLUSTER_SETTINGS and not key.startswith("RAY_SERVE_")}
     env.pop("RAY_ADDRESS", None)
     env.update(extra_env, RAY_TMPDIR=tempfile.mkdtemp(prefix="ar-", dir="/tmp"))
-    result = subprocess.run([sys.executable, "-c", PROGRAM, *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=180)
+    try:
+        result = subprocess.run([sys.executable, "-c", PROGRAM, *args], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=180)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -72,6 +76,8 @@ def test_a_local_cluster_gets_serves_haproxy_ingress_with_its_own_short_paths():
         assert first[key] != second[key]
     # Serve adds a 56-character node id folder; HAProxy refuses socket paths over 97 characters.
     assert len(first["RAY_SERVE_HAPROXY_SOCKET_PATH"]) + 57 <= 97
+    # The cluster's HAProxy folder goes when the program that started the cluster exits.
+    assert not os.path.exists(first["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
 
 
 def test_a_users_choice_of_ingress_wins():

@@ -2,6 +2,7 @@
 Ray driver, `serve run` of the shipped local config, and the `atom-ray serve` command."""
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -135,12 +136,14 @@ def test_another_ray_driver_streams_through_a_handle(served, ray_cluster):
     assert int(result.stdout.split("PIECES")[1].split()[0]) > 1  # streamed, not one reply
 
 
-def isolated_ray_env() -> dict:
+@pytest.fixture
+def isolated_ray_env():
     """A Ray of its own: RAY_ADDRESS=local keeps `serve run` from joining the test session's cluster, and a
-    temp dir of its own (short, for Ray's socket paths) keeps their files apart."""
+    temp dir of its own (short, for Ray's socket paths) keeps their files apart; removed afterwards."""
     env = {**os.environ, "RAY_ADDRESS": "local"}
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ar-", dir="/tmp")
-    return env
+    yield env
+    shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
 def stop(process: subprocess.Popen) -> str:
@@ -152,13 +155,13 @@ def stop(process: subprocess.Popen) -> str:
         return process.communicate()[0]
 
 
-def test_serve_run_of_the_local_config_answers(tmp_path):
+def test_serve_run_of_the_local_config_answers(tmp_path, isolated_ray_env):
     """`serve run deployments/configs/local.yaml`, as a user types it (on a Ray it starts itself)."""
     config = (ROOT / "deployments" / "configs" / "local.yaml").read_text()
     port = free_port()
     path = tmp_path / "local.yaml"
     path.write_text(config.replace("port: 8000", f"port: {port}"))
-    process = subprocess.Popen(["serve", "run", str(path)], cwd=ROOT, env=isolated_ray_env(),
+    process = subprocess.Popen(["serve", "run", str(path)], cwd=ROOT, env=isolated_ray_env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", timeout=400)
@@ -170,7 +173,7 @@ def test_serve_run_of_the_local_config_answers(tmp_path):
         stop(process)
 
 
-def test_atom_ray_serve_command_starts_its_own_local_ray():
+def test_atom_ray_serve_command_starts_its_own_local_ray(isolated_ray_env):
     """With no cluster to join it starts one on 127.0.0.1 with Serve's HAProxy ingress in front of the
     replica, prints the URL, streams completions (a client that leaves mid-stream gets its KV blocks
     freed), and cleans up on Ctrl-C."""
@@ -178,8 +181,9 @@ def test_atom_ray_serve_command_starts_its_own_local_ray():
 
     from atom_ray.cluster import haproxy_available
     port = free_port()
+    haproxy_folders = set(glob.glob("/tmp/arh-*"))
     process = subprocess.Popen([sys.executable, "-m", "atom_ray.cli", "serve", "--port", str(port),
-                                "--max-model-len", "1024"], cwd=ROOT, env=isolated_ray_env(), stdout=subprocess.PIPE,
+                                "--max-model-len", "1024"], cwd=ROOT, env=isolated_ray_env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     healthy = False
@@ -204,3 +208,4 @@ def test_atom_ray_serve_command_starts_its_own_local_ray():
             print(output[-6000:])
     assert f"{base}/v1" in output
     assert process.returncode == 0, output[-3000:]
+    assert set(glob.glob("/tmp/arh-*")) <= haproxy_folders  # its HAProxy folder went with it
