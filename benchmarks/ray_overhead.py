@@ -10,9 +10,11 @@ timed runs alternate with bare runs (bare, path, bare, path, ..., bare) and each
 the mean of the bare runs on either side; the median of those ratios is reported. Also reported: the mean
 time to first token of the streamed paths at that load, and the time to first token of a one-token request
 on an idle engine, alternating requests to the bare engine and to the path so that both see the same
-machine; the difference of the medians is what Ray and Serve add.
+machine; the median of each path request's difference to the bare requests on either side is what Ray and
+Serve add.
 
-    python -m benchmarks.ray_overhead [--model smollm2-135m] [--rounds 3] [--out bench_out/ray_overhead.json]
+    python -m benchmarks.ray_overhead [--model smollm2-135m] [--rounds 3] [--ttft-rounds 15]
+                                      [--out bench_out/ray_overhead.json]
 """
 from __future__ import annotations
 
@@ -122,24 +124,36 @@ def http_path(base_url: str, model: str):
     return with_client
 
 
-async def interleaved_idle_ttft(stream_fn, bare_generate, prompt: str, rounds: int = 9) -> dict:
-    """Median time to the first token of a one-token request on an idle engine, through the path and
-    through the bare engine in turn (each stream read to its end, so no step of an earlier request is
-    still running when the next one arrives); the first round is a warm-up."""
-    bare, path = [], []
-    for _ in range(rounds):
+async def interleaved_idle_ttft(stream_fn, bare_generate, prompt: str, rounds: int) -> dict:
+    """Time to the first token of a one-token request on an idle engine, through the path and through the
+    bare engine in turn (bare, path, bare, ..., path, bare; each stream read to its end, so no step of an
+    earlier request is still running when the next one arrives), after one warm-up request each. Each path
+    request is compared with the mean of the bare requests on either side; the median of those differences
+    is what Ray and Serve add (the medians of the two series are reported too)."""
+    def bare_once() -> float:
         start = time.perf_counter()
         bare_generate([prompt], [params_for(1)])
-        bare.append(time.perf_counter() - start)
-        await asyncio.sleep(0.1)
+        return time.perf_counter() - start
+
+    async def path_once() -> float:
         start, first = time.perf_counter(), None
         async for count in stream_fn(prompt, 1):
             if first is None and count > 0:
                 first = time.perf_counter() - start
-        path.append(first)
+        return first
+
+    bare_once()
+    await path_once()
+    bare, path = [bare_once()], []
+    for _ in range(rounds):
         await asyncio.sleep(0.1)
-    bare_s, path_s = statistics.median(bare[1:]), statistics.median(path[1:])
-    return {"idle_ttft_s": path_s, "bare_idle_ttft_s": bare_s, "added_idle_ttft_ms": (path_s - bare_s) * 1000}
+        path.append(await path_once())
+        await asyncio.sleep(0.1)
+        bare.append(bare_once())
+    added = [p - (before + after) / 2 for p, before, after in zip(path, bare, bare[1:])]
+    return {"idle_ttft_s": statistics.median(path), "bare_idle_ttft_s": statistics.median(bare),
+            "idle_ttft_s_runs": path, "bare_idle_ttft_s_runs": bare,
+            "added_idle_ttft_ms": statistics.median(added) * 1000}
 
 
 def main() -> None:
@@ -147,6 +161,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--rounds", type=int, default=3, help="timed runs of each path, each between two bare runs")
+    parser.add_argument("--ttft-rounds", type=int, default=15, help="one-token requests through each path for idle TTFT")
     parser.add_argument("--out", default="bench_out/ray_overhead.json")
     args = parser.parse_args()
 
@@ -179,7 +194,7 @@ def main() -> None:
     handle = atom_ray.start(args.model, **engine_args)
     results["ray"] = interleaved(bare_run, lambda: timed_generate(handle.generate, prompts, params), args.rounds)
     results["ray"].update(asyncio.run(run_streams(ray_stream(handle), prompts, output_lens)))
-    results["ray"].update(asyncio.run(interleaved_idle_ttft(ray_stream(handle), bare.generate, prompts[0])))
+    results["ray"].update(asyncio.run(interleaved_idle_ttft(ray_stream(handle), bare.generate, prompts[0], args.ttft_rounds)))
     handle.shutdown()
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
@@ -195,7 +210,7 @@ def main() -> None:
         return streamed["tok_s"]
     results["http"] = interleaved(bare_run, http_run, args.rounds)
     results["http"]["mean_ttft_s"] = streamed["mean_ttft_s"]
-    results["http"].update(http(lambda stream: interleaved_idle_ttft(stream, bare.generate, prompts[0])))
+    results["http"].update(http(lambda stream: interleaved_idle_ttft(stream, bare.generate, prompts[0], args.ttft_rounds)))
     serve.shutdown()
     ray.shutdown()
 
@@ -209,7 +224,7 @@ def main() -> None:
                      f"{r['idle_ttft_s'] * 1000:.1f} (bare {r['bare_idle_ttft_s'] * 1000:.1f})",
                      f"{r['added_idle_ttft_ms']:+.1f}"))
     print_table(["path", "output tok/s", "bare tok/s (around them)", "ratios", "median ratio",
-                 "mean TTFT ms (16 conc.)", "idle TTFT ms", "added TTFT ms"], rows)
+                 "mean TTFT ms (16 conc.)", "idle TTFT ms (medians)", "added TTFT ms (paired)"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 

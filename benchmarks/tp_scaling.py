@@ -6,9 +6,13 @@ agreement of TP=2 with TP=1: the top-1 token at every position of a fixed 1024-t
 logprobs), in bf16 and fp32. Dummy weights are a seeded random checkpoint, so both layouts shard the same
 model. Random weights give nearly flat logits, so bf16 rounding alone flips many top-1 choices; the script
 measures that noise floor too (TP=1 against TP=1 with the prompt prefilled in 256-token chunks, which only
-changes the order of the sums) and the top-1/top-2 logprob margin where the choices differ.
+changes the order of the sums) and the top-1/top-2 logprob margin where the choices differ. With real
+weights (`--load-format auto` and a model folder or .gguf file) `--teacher natural` makes the sequence
+the model's own text (sampled from the bf16 TP=1 engine at temperature 0.8 with a fixed seed) instead of
+random token ids; `--agreement-only` skips the speed stages.
 
     python -m benchmarks.tp_scaling [--model benchmarks/configs/llama-3.1-8b] --out tp.json
+    python -m benchmarks.tp_scaling --model SmolLM2.gguf --load-format auto --teacher natural --agreement-only --out a.json
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from benchmarks.common import environment_record, print_table
 
 PROMPT_LEN, NEW_TOKENS, TEACHER_LEN = 128, 256, 1024
 ENGINE_ARGS = dict(load_format="dummy", max_model_len=4096, max_num_seqs=8, device="cuda")
+TEACHER_PROMPT = "Once upon a time, in a small town by the sea, there lived"
 
 
 def decode_rate(generate) -> float:
@@ -42,11 +47,35 @@ def decode_rate(generate) -> float:
     return NEW_TOKENS / (total - prefill)
 
 
-def top1_tokens(generate) -> tuple[list[int], list[float]]:
-    """The top-1 token at every position of a fixed sequence, and its logprob margin over the top-2."""
+def teacher_sequence(llm, natural: bool) -> list[int]:
+    """A fixed sequence of TEACHER_LEN token ids: random ids from the vocabulary, or the model's own text."""
     from engine import SamplingParams
-    rng = random.Random(1)
-    sequence = [rng.randrange(1000, 100000) for _ in range(TEACHER_LEN)]
+    if not natural:
+        rng = random.Random(1)
+        vocab = llm.engine.source.hf_config.vocab_size
+        return [rng.randrange(1000, min(100000, vocab)) for _ in range(TEACHER_LEN)]
+    prompt = llm.get_tokenizer().encode(TEACHER_PROMPT)
+    params = SamplingParams(temperature=0.8, seed=0, max_tokens=TEACHER_LEN - len(prompt), ignore_eos=True)
+    return prompt + list(llm.generate([prompt], params)[0].token_ids)
+
+
+def prefill_rate(generate, length: int = 2048) -> float:
+    """Prompt tokens/s of one long prompt (best of three, one output token)."""
+    from engine import SamplingParams
+    rng = random.Random(3)
+    prompt = [rng.randrange(1000, 30000) for _ in range(length)]
+
+    def run():
+        start = time.perf_counter()
+        generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        return time.perf_counter() - start
+    run()
+    return length / min(run() for _ in range(3))
+
+
+def top1_tokens(generate, sequence: list[int]) -> tuple[list[int], list[float]]:
+    """The top-1 token at every position of the sequence, and its logprob margin over the top-2."""
+    from engine import SamplingParams
     output = generate([sequence], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
     tops, margins = [], []
     for entry in output.prompt_logprobs[1:]:
@@ -105,15 +134,31 @@ def greedy_tokens(generate) -> list[int]:
     return generate([prompt], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))[0].token_ids
 
 
+def print_agreement(results: dict) -> None:
+    print(f"teacher-forced top-1 agreement TP=2 vs TP=1 over {TEACHER_LEN - 1} positions ({results['teacher']} "
+          f"sequence): bf16 {results['teacher_forced_bfloat16']}, fp32 {results['teacher_forced_float32']}")
+    for reduce in results["tp_reduce_dtypes"][1:]:
+        print(f"  bf16 with tp_reduce_dtype={reduce}: {results[f'teacher_forced_bfloat16_{reduce}']}")
+    print(f"bf16 noise floor (TP=1 vs TP=1 prefilled in 256-token chunks): {results['noise_floor_bfloat16']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--load-format", default="dummy", help="dummy (seeded random weights) or auto (the model's own)")
+    parser.add_argument("--teacher", choices=("random", "natural"), default="random",
+                        help="teacher-forced sequence: random token ids, or text the model itself wrote")
+    parser.add_argument("--agreement-only", action="store_true", help="only the teacher-forced agreement stages")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu runs the agreement stages with gloo")
+    parser.add_argument("--tp-reduce-dtypes", default="float32",
+                        help="comma-separated tp_reduce_dtype values to run TP=2 with (the first is the headline)")
     parser.add_argument("--ray-tp1-only", action="store_true",
                         help="one GPU: only the bare engine against atom_ray.start with TP=1")
     parser.add_argument("--step-timing-dir", default=None,
                         help="only TP=2 decode, with each rank's step timing (device time, idle gaps) written here")
     args = parser.parse_args()
+    ENGINE_ARGS.update(load_format=args.load_format, device=args.device)
     if args.step_timing_dir:
         step_timing(args)
         return
@@ -125,17 +170,22 @@ def main() -> None:
     import atom_ray
     from engine import LLM
 
-    results = {"environment": environment_record(), "model": args.model, "engine_args": ENGINE_ARGS}
+    results = {"environment": environment_record(), "model": args.model, "engine_args": ENGINE_ARGS,
+               "teacher": args.teacher}
 
     def save() -> None:  # after every stage, so a run cut short still leaves what it measured
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
     bare = LLM(args.model, dtype="bfloat16", show_progress=False, **ENGINE_ARGS)
-    results["bare_tok_s"] = decode_rate(bare.generate)
-    save()
+    sequence = teacher_sequence(bare, args.teacher == "natural")
+    if not args.agreement_only:
+        results["bare_tok_s"] = decode_rate(bare.generate)
+        results["bare_prefill_tok_s"] = prefill_rate(bare.generate)
+        save()
     del bare
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if args.ray_tp1_only:
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
         handle = atom_ray.start(args.model, dtype="bfloat16", **ENGINE_ARGS)
@@ -152,28 +202,41 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2))
         return
     chunked = LLM(args.model, dtype="bfloat16", show_progress=False, max_num_batched_tokens=256, **ENGINE_ARGS)
-    chunked_tops = top1_tokens(chunked.generate)
+    chunked_tops = top1_tokens(chunked.generate, sequence)
     del chunked
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
     tops = {}
+    reduce_dtypes = args.tp_reduce_dtypes.split(",")
+    results["tp_reduce_dtypes"] = reduce_dtypes
     for dtype in ("bfloat16", "float32"):
-        for tp in (1, 2):
-            handle = atom_ray.start(args.model, dtype=dtype, tensor_parallel_size=tp, **ENGINE_ARGS)
+        # (TP, tp_reduce_dtype): in float32 the reduce dtype is float32 either way.
+        runs = [(1, None)] + [(2, r) for r in (reduce_dtypes if dtype == "bfloat16" else reduce_dtypes[:1])]
+        for tp, reduce in runs:
+            extra = {"tp_reduce_dtype": reduce} if reduce else {}
+            suffix = f"_{reduce}" if reduce and reduce != reduce_dtypes[0] else ""
+            handle = atom_ray.start(args.model, dtype=dtype, tensor_parallel_size=tp, **extra, **ENGINE_ARGS)
             try:
-                if dtype == "bfloat16":
-                    results[f"ray_tp{tp}_tok_s"] = decode_rate(handle.generate)
+                if dtype == "bfloat16" and not args.agreement_only:
+                    results[f"ray_tp{tp}{suffix}_tok_s"] = decode_rate(handle.generate)
+                    results[f"ray_tp{tp}{suffix}_prefill_tok_s"] = prefill_rate(handle.generate)
                     save()
-                tops[(dtype, tp)] = top1_tokens(handle.generate)
+                tops[(dtype, tp, suffix)] = top1_tokens(handle.generate, sequence)
             finally:
                 handle.shutdown()
-        results[f"teacher_forced_{dtype}"] = agreement(tops[(dtype, 1)], tops[(dtype, 2)])
-        results[f"teacher_forced_agreement_{dtype}"] = results[f"teacher_forced_{dtype}"]["agreement"]
-    results["noise_floor_bfloat16"] = agreement(tops[("bfloat16", 1)], chunked_tops)
+            if tp == 2:
+                results[f"teacher_forced_{dtype}{suffix}"] = agreement(tops[(dtype, 1, "")], tops[(dtype, 2, suffix)])
+                results[f"teacher_forced_agreement_{dtype}{suffix}"] = results[f"teacher_forced_{dtype}{suffix}"]["agreement"]
+                save()
+    results["noise_floor_bfloat16"] = agreement(tops[("bfloat16", 1, "")], chunked_tops)
     save()
     ray.shutdown()
+    if args.agreement_only:
+        print_agreement(results)
+        return
     # The same TP=2 engine with every all-reduce on NCCL (no symmetric-memory one-shot kernel): before/after.
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
              runtime_env={"env_vars": {"ATOM_RAY_SYMMETRIC_ALL_REDUCE": "0"}})
@@ -193,10 +256,11 @@ def main() -> None:
         ("Ray TP=2", f"{results['ray_tp2_tok_s']:.1f}", f"{results['tp2_speedup']:.2f}x TP=1"),
         ("Ray TP=2, every all-reduce on NCCL", f"{results['ray_tp2_nccl_only_tok_s']:.1f}",
          f"{results['ray_tp2_nccl_only_tok_s'] / results['ray_tp1_tok_s']:.2f}x TP=1"),
-    ])
-    print(f"teacher-forced top-1 agreement TP=2 vs TP=1 over {TEACHER_LEN - 1} positions: "
-          f"bf16 {results['teacher_forced_bfloat16']}, fp32 {results['teacher_forced_float32']}")
-    print(f"bf16 noise floor (TP=1 vs TP=1 prefilled in 256-token chunks): {results['noise_floor_bfloat16']}")
+    ] + [(f"Ray TP=2, tp_reduce_dtype={r}", f"{results[f'ray_tp2_{r}_tok_s']:.1f}",
+          f"{results[f'ray_tp2_{r}_tok_s'] / results['ray_tp1_tok_s']:.2f}x TP=1") for r in reduce_dtypes[1:]])
+    print("prefill (2048-token prompt) tok/s: " + ", ".join(
+        f"{key[:-len('_prefill_tok_s')]} {value:.0f}" for key, value in results.items() if key.endswith("_prefill_tok_s")))
+    print_agreement(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 KERNEL_BACKENDS = ("auto", "torch", "triton", "aiter")
+TP_REDUCE_DTYPES = ("auto", "float32", "model")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -34,6 +35,10 @@ class EngineConfig:
     kernel_backend: str = "auto"
     device: str = "auto"
     enforce_eager: bool = False
+    # Row-parallel partial products summed across ranks in float32 and rounded once, as one GPU's GEMM
+    # rounds its sum, or in the activations' dtype ("model": half the bytes, one more rounding per rank).
+    # "auto": float32 on GPUs (their BLAS writes float32 directly), the model's dtype on CPU.
+    tp_reduce_dtype: str = "auto"
     hf_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -42,6 +47,7 @@ class EngineConfig:
         self._check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
         self._check(self.kernel_backend in KERNEL_BACKENDS, "kernel_backend", f"must be one of {KERNEL_BACKENDS}")
         self._check(self.device in DEVICES, "device", f"must be one of {DEVICES}")
+        self._check(self.tp_reduce_dtype in TP_REDUCE_DTYPES, "tp_reduce_dtype", f"must be one of {TP_REDUCE_DTYPES}")
         self._positive_int("max_num_seqs")
         self._positive_int("block_size")
         self._positive_int("tensor_parallel_size")

@@ -18,8 +18,10 @@ logger = logging.getLogger(__name__)
 # Every operation a layer may call through `engine.kernels.ops`.
 OPS = (
     "gemm",                 # (x, weight[N,K], bias|None) -> x @ weight.T + bias
+    "gemm_float32",         # (x, weight[N,K]) -> x @ weight.T in float32, unrounded (TP partial sums, logits)
     "rms_norm",             # (x, weight, eps) -> normalised x
-    "fused_add_rms_norm",   # (x, residual, weight, eps) -> (normalised x + residual, x + residual)
+    "fused_add_rms_norm",   # (x, residual, weight, eps) -> (normalised x + residual, x + residual); an x in
+                            #   float32 (a reduced partial sum) is first rounded to the residual's dtype
     "rotary_embedding",     # (positions, q, k, cos_sin_cache, is_neox) -> (q, k), may be in place
     "silu_and_mul",         # (x[..., 2I]) -> silu(x[..., :I]) * x[..., I:]
     "gated_gemm",           # (x, weight[2I,K], bias|None) -> silu_and_mul(gemm(x, weight, bias)): the MLP's gate/up

@@ -48,7 +48,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         assert not bias, "LM-head bias is not supported"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = ops.gemm(hidden_states, self.weight, None)
+        # On GPUs the logits stay float32 out of the GEMM: rounded to bf16, a logit of ~20 moves in steps of
+        # 0.125, so top candidates often tie exactly and the tie goes whichever way the last bit fell.
+        if hidden_states.is_cuda:
+            logits = ops.gemm_float32(hidden_states, self.weight)
+        else:
+            logits = ops.gemm(hidden_states, self.weight, None)
         if self.tp_size > 1:
             logits = tensor_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings]

@@ -135,7 +135,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed with an all-reduce. The bias is
-    added once, after the reduction."""
+    added once, after the reduction.
+
+    With more than one rank and float32 reduction (tp_reduce_dtype "float32", or "auto" on GPUs) each
+    rank's partial product stays in float32, the all-reduce sums float32 and the result is returned in
+    float32, unrounded: its consumer, the fused residual-add + RMSNorm, rounds it to the activations' dtype
+    once, as one device's GEMM rounds its full sum. Summing rounded half-precision partials instead adds a
+    rounding per rank and per layer, which flips near-tied greedy choices. The cost: twice the all-reduce
+    bytes."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
                  input_shard: tuple[int, int] | None = None) -> None:
@@ -147,9 +154,12 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return ops.gemm(x, self.weight, self.bias)
-        y = ops.gemm(x, self.weight, None)
-        if self.reduce_results:
-            y = tensor_parallel_all_reduce(y)
+        if self.reduce_results and get_parallel_state().reduce_in_fp32:
+            y = tensor_parallel_all_reduce(ops.gemm_float32(x, self.weight))
+        else:
+            y = ops.gemm(x, self.weight, None)
+            if self.reduce_results:
+                y = tensor_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

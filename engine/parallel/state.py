@@ -18,6 +18,7 @@ class ParallelState:
     device_group: object | None = None
     cpu_group: object | None = None
     small_all_reduce: object | None = None  # SymmetricAllReduce where the GPUs can map each other's memory
+    reduce_in_fp32: bool = True  # row-parallel partial sums travel and add up in float32
 
 
 _state = ParallelState()
@@ -28,9 +29,9 @@ def get_parallel_state() -> ParallelState:
 
 
 def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device,
-                  timeout_s: float = 600.0) -> ParallelState:
+                  timeout_s: float = 600.0, reduce_in_fp32: bool = True) -> ParallelState:
     """Join a tensor-parallel group of `tp_size` processes rendezvousing at `init_method`
-    (e.g. tcp://127.0.0.1:29500)."""
+    (e.g. tcp://127.0.0.1:29500). `reduce_in_fp32`: see RowParallelLinear."""
     global _state
     if tp_size == 1:
         _state = ParallelState()
@@ -46,7 +47,7 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     ranks = list(range(tp_size))
     cpu_group = dist.new_group(ranks, backend="gloo") if backend != "gloo" else dist.group.WORLD
     small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device) if backend == "nccl" else None
-    _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group, small_all_reduce)
+    _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group, small_all_reduce, reduce_in_fp32)
     return _state
 
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# Decode batches up to 64 rows of a 4096-wide bf16 hidden state; above that a one-shot reduce reads
-# world_size copies of the tensor per rank and NCCL's algorithms win.
-DEFAULT_MAX_BYTES = 512 * 1024
+# Decode batches up to 64 rows of a 4096-wide hidden state in float32 (the row-parallel partial sums);
+# above that a one-shot reduce reads world_size copies of the tensor per rank and NCCL's algorithms win.
+DEFAULT_MAX_BYTES = 1024 * 1024
 
 
 class SymmetricAllReduce:

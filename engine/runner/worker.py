@@ -73,7 +73,9 @@ class Worker:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        init_parallel(rank, world_size, init_method, self.device)
+        init_parallel(rank, world_size, init_method, self.device,
+                      reduce_in_fp32=config.tp_reduce_dtype == "float32"
+                      or (config.tp_reduce_dtype == "auto" and self.device.type == "cuda"))
         source = resolve_model(config.model, config.load_format, config.hf_overrides)
         self.runner = ModelRunner(config, source, self.device, max_model_len, eos_token_ids,
                                   show_progress=rank == 0)

@@ -45,3 +45,41 @@ def test_dummy_weights_are_one_model_whatever_the_tp_layout(ray_cluster, tiny_mo
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == expected
     finally:
         engine.shutdown()
+
+
+TEACHER_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Before "
+    "his invention, books were copied by hand, usually by monks, and a single volume could take months to "
+    "finish. The new method made books cheaper and faster to produce, and within fifty years presses were "
+    "running in more than two hundred cities across Europe. Scholars could now share their work widely, "
+    "and ideas spread at a pace the world had never seen. The printing press helped to fuel the "
+    "Renaissance, the Reformation and the Scientific Revolution, and it laid the foundation for the modern "
+    "newspaper. Today we take printed text for granted, yet the basic idea of arranging letters, inking "
+    "them and pressing them onto paper remained the main way of making books for almost five hundred years.")
+
+
+def top1_at_every_position(generate, token_ids: list[int]) -> list[int]:
+    output = generate([token_ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    return [next(t for t, lp in entry.items() if lp.rank == 1) for entry in output.prompt_logprobs[1:]]
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "model"])
+def test_tp2_in_bf16_follows_one_rank_on_real_weights(ray_cluster, reduce_dtype):
+    """bf16 TP=2 on SmolLM2's real weights, with the row-parallel sums added in float32 (rounded once) or
+    in bf16: the teacher-forced top-1 token agrees with the single-process engine almost everywhere. Not
+    everywhere: on CPU the logits are bf16, where top candidates often tie exactly (a logit near 16 moves
+    in steps of 0.125) and any change in the last bit decides the tie (2x H200, float32 logits: see
+    docs/BENCHMARKS.md)."""
+    single = LLM("smollm2-135m", dtype="bfloat16", show_progress=False)
+    token_ids = single.get_tokenizer().encode(TEACHER_TEXT)
+    assert len(token_ids) > 150
+    expected = top1_at_every_position(single.generate, token_ids)
+    del single
+    engine = atom_ray.start("smollm2-135m", tensor_parallel_size=2, dtype="bfloat16", tp_reduce_dtype=reduce_dtype)
+    try:
+        actual = top1_at_every_position(engine.generate, token_ids)
+    finally:
+        engine.shutdown()
+    agreement = sum(a == b for a, b in zip(actual, expected)) / len(expected)
+    assert agreement >= 0.95, agreement

@@ -10,6 +10,7 @@ BACKEND = KernelBackend(
     name="torch",
     ops={
         "gemm": ops.gemm,
+        "gemm_float32": ops.gemm_float32,
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
         "rotary_embedding": ops.rotary_embedding,

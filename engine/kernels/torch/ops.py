@@ -9,6 +9,39 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return F.linear(x, weight, bias)
 
 
+def gemm_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T accumulated and returned in float32, unrounded: a row-parallel rank's share (so that
+    the sum over ranks is rounded once, as one device's GEMM rounds its sum) or logits (whose half-precision
+    rounding ties many top candidates). On GPUs the BLAS writes the float32 accumulator itself; elsewhere
+    the inputs are converted to float32 first (exact, but a float32 copy of the weight per call)."""
+    if x.dtype == torch.float32:
+        return F.linear(x, weight)
+    if x.is_cuda:
+        if _mm_takes_out_dtype():
+            rows = x.reshape(-1, x.shape[-1])
+            return torch.mm(rows, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight).float()  # rounded: no float32-output BLAS in this torch (logged once)
+    return F.linear(x.float(), weight.float())
+
+
+_mm_out_dtype: list[bool] = []
+
+
+def _mm_takes_out_dtype() -> bool:
+    """Whether this torch's CUDA/ROCm BLAS path takes mm(..., out_dtype=float32) for half inputs."""
+    if not _mm_out_dtype:
+        try:
+            a = torch.ones(2, 8, dtype=torch.bfloat16, device="cuda")
+            _mm_out_dtype.append(torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _mm_out_dtype.append(False)
+        if not _mm_out_dtype[0]:
+            import logging
+            logging.getLogger(__name__).warning(
+                "torch.mm(out_dtype=float32) is unavailable: large float32-output GEMMs round to the input dtype")
+    return _mm_out_dtype[0]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Statistics in float32, the normalised value rounded to the input dtype before the weight
     # (transformers' order), in one fused op.
@@ -17,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual
+    residual = x.to(residual.dtype) + residual
     return rms_norm(residual, weight, eps), residual
 
 

@@ -17,6 +17,7 @@ BACKEND = KernelBackend(
     name="triton",
     ops={
         "gemm": gemv.gemm,
+        "gemm_float32": gemv.gemm_float32,
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
         "rotary_embedding": ops.rotary_embedding,

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.torch import ops as torch_ops
 from engine.kernels.triton import ops, pdl
 from engine.kernels.triton.common import dot
 
@@ -99,16 +100,17 @@ def _candidate_tiles(n: int, k: int, element_size: int):
 _fitted: dict[tuple, dict] = {}  # (N, K, dtype, row tile, gated, device) -> the first candidate that launched
 
 
-def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+                   out_dtype: torch.dtype | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    key = (weight.shape[0], weight.shape[1], x.dtype, max(16, triton.next_power_of_2(rows)), gated, x.device)
+    key = (weight.shape[0], weight.shape[1], x.dtype, max(16, triton.next_power_of_2(rows)), gated, out_dtype, x.device)
     tiles = _fitted.get(key)
     if tiles is not None:
-        return skinny_gemm(x, weight, bias, **tiles, gated=gated)
+        return skinny_gemm(x, weight, bias, **tiles, gated=gated, out_dtype=out_dtype)
     error = None
     for tiles in _candidate_tiles(weight.shape[0], weight.shape[1], x.element_size()):
         try:  # a launch whose buffers do not fit this GPU's shared memory fails before it runs
-            out = skinny_gemm(x, weight, bias, **tiles, gated=gated)
+            out = skinny_gemm(x, weight, bias, **tiles, gated=gated, out_dtype=out_dtype)
         except triton.runtime.errors.OutOfResources as exc:
             error = exc
             continue
@@ -119,12 +121,14 @@ def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 block_n: int | None = None, block_k: int = 256, num_stages: int = 4, num_warps: int = 4, *,
-                gated: bool = False) -> torch.Tensor:
+                gated: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for x [..., K] with at most 128 rows and weight [N, K] (contiguous rows). With
-    gated, the weight is a merged [gate; up] projection and y = silu(gate) * up, [..., N / 2]. Without tile
-    sizes: the preferred tiles that fit this GPU (found at the first call of each shape, then kept)."""
+    gated, the weight is a merged [gate; up] projection and y = silu(gate) * up, [..., N / 2]. y is in
+    out_dtype (default: x's). Without tile sizes: the preferred tiles that fit this GPU (found at the first
+    call of each shape, then kept)."""
+    assert not (gated and out_dtype not in (None, x.dtype)), "the gated epilogue rounds to x's dtype"
     if block_n is None:
-        return _launch_fitted(x, weight, bias, gated)
+        return _launch_fitted(x, weight, bias, gated, out_dtype)
     k = x.shape[-1]
     rows = x.reshape(-1, x.shape[-1])
     m, n = rows.shape[0], weight.shape[0]
@@ -133,7 +137,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     n_out = n // 2 if gated else n
-    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n_out)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
@@ -158,6 +162,14 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if takes(x, weight):
         return skinny_gemm(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def gemm_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in float32, unrounded (a row-parallel rank's share): the skinny kernel stores its float32
+    accumulator where it serves, the BLAS with a float32 output otherwise."""
+    if takes(x, weight):
+        return skinny_gemm(x, weight, out_dtype=torch.float32)
+    return torch_ops.gemm_float32(x, weight)
 
 
 def gated_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

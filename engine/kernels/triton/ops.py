@@ -56,7 +56,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, n, i
         mask = row_mask[:, None] & (cols < n)
         x = tl.load(x_ptr + x_rows + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            # The sum is rounded to the input dtype before the statistics, as `x + residual` is in torch.
+            # x (possibly a float32 partial sum) is rounded to the residual's dtype, and so is the sum, before
+            # the statistics, as `x.to(residual.dtype) + residual` is in torch.
+            x = x.to(res_ptr.dtype.element_ty)
             x = (x.to(tl.float32) + tl.load(res_ptr + r_rows + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(res_out_ptr + out_rows + cols, x, mask=mask)
         x32 = x.to(tl.float32)
@@ -70,6 +72,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, n, i
             mask = row_mask[:, None] & (start + cols < n)
             x = tl.load(x_ptr + x_rows + start + cols, mask=mask, other=0.0)
             if HAS_RESIDUAL:
+                x = x.to(res_ptr.dtype.element_ty)
                 x = (x.to(tl.float32)
                      + tl.load(res_ptr + r_rows + start + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
                 tl.store(res_out_ptr + out_rows + start + cols, x, mask=mask)
@@ -94,8 +97,9 @@ def _launch_rms_norm(x, residual, weight, eps):
     rows_x = _as_rows(x)
     rows_r = _as_rows(residual) if residual is not None else rows_x
     num_rows = rows_x.shape[0] * rows_x.shape[1]
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    dtype = residual.dtype if residual is not None else x.dtype  # a float32 x with a residual takes its dtype
+    out = torch.empty(x.shape, dtype=torch.promote_types(dtype, weight.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=dtype, device=x.device) if residual is not None else out
     if num_rows == 0:
         return out, res_out
     single = triton.next_power_of_2(n) <= _MAX_SINGLE_PASS
@@ -117,8 +121,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One kernel: reads x and residual once, writes norm(x + residual) and x + residual (fresh tensors,
-    so callers that keep the inputs are safe)."""
-    assert x.shape == residual.shape and x.dtype == residual.dtype, (x.shape, residual.shape, x.dtype, residual.dtype)
+    so callers that keep the inputs are safe). A float32 x (a row-parallel sum) is rounded to the residual's
+    dtype first, as the torch reference does."""
+    assert x.shape == residual.shape and x.dtype in (residual.dtype, torch.float32), (
+        x.shape, residual.shape, x.dtype, residual.dtype)
     return _launch_rms_norm(x, residual, weight, eps)
 
 

@@ -82,6 +82,24 @@ def test_fused_add_rms_norm_returns_norm_of_sum_and_sum(dtype):
     assert_matches(normed, expected_normed, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hidden", [256, 40000])
+def test_fused_add_rms_norm_rounds_a_float32_sum_to_the_residuals_dtype(dtype, hidden):
+    """A row-parallel layer's all-reduced float32 sum goes in as x: rounded once to the residual's dtype,
+    exactly as the torch reference (and as an x already in that dtype) would be."""
+    x32, residual, weight = randn(5, hidden), randn(5, hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    normed, summed = ops.fused_add_rms_norm(x32, residual, weight, 1e-5)
+    expected_normed, expected_sum = reference.fused_add_rms_norm(x32, residual, weight, 1e-5)
+    assert summed.dtype == normed.dtype == dtype
+    assert_close_to_scale(summed, expected_sum, dtype)
+    assert_close_to_scale(normed, expected_normed, dtype)
+    if ON_GPU:  # bit for bit (Triton's interpreter truncates float32 -> bf16 instead of rounding to nearest)
+        torch.testing.assert_close(summed, expected_sum, rtol=0, atol=0)
+        rounded_first = ops.fused_add_rms_norm(x32.to(dtype), residual, weight, 1e-5)
+        torch.testing.assert_close(summed, rounded_first[1], rtol=0, atol=0)
+        torch.testing.assert_close(normed, rounded_first[0], rtol=0, atol=0)
+
+
 def test_rms_norm_of_rows_longer_than_one_pass():
     x, residual, weight = randn(3, 40000), randn(3, 40000), randn(40000)
     assert_matches(ops.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), torch.float32)
@@ -229,6 +247,28 @@ def test_gated_gemm_op_matches_reference_on_both_paths():
         actual, expected = gemv.gated_gemm(x, weight), reference.gated_gemm(x, weight)
         assert actual.shape == expected.shape == (rows, n)
         assert_close_to_scale(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gemm_float32_returns_the_unrounded_float32_product(dtype):
+    """A row-parallel rank's share: float32, closer to the exact product than the rounded GEMM output, on
+    the skinny kernel's path (decode-sized rows on a GPU) and the BLAS path."""
+    k, n = (4096, 1024) if ON_GPU else (96, 40)
+    weight = randn(n, k, dtype=dtype)
+    for rows in (3, 40):
+        x = randn(rows, k, dtype=dtype)
+        exact = torch.nn.functional.linear(x.double(), weight.double())
+        actual = gemv.gemm_float32(x, weight)
+        assert actual.shape == (rows, n) and actual.dtype == torch.float32
+        assert float((actual.double() - exact).abs().max() / exact.abs().max()) < 1e-5
+        if ON_GPU:  # half-precision rounding is far coarser than the float32 sum's error
+            rounded = gemv.gemm(x, weight).double()
+            assert (actual.double() - exact).abs().max() < (rounded - exact).abs().max()
+    if not ON_GPU:  # on CPU the reference computes in float32 from exactly converted inputs
+        assert torch.equal(reference.gemm_float32(x, weight), torch.nn.functional.linear(x.float(), weight.float()))
+    skinny = gemv.skinny_gemm(x[:3], weight, out_dtype=torch.float32)
+    assert skinny.dtype == torch.float32
+    assert float((skinny.double() - exact[:3]).abs().max() / exact.abs().max()) < 1e-5
 
 
 def test_gemm_op_takes_the_blas_for_large_batches_and_fp32():
