@@ -64,9 +64,11 @@ class SymmetricAllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x, "sum", self.group_name)
 
     def _check(self, group, device: torch.device) -> None:
-        """One reduce of known values, so that a mapping that silently does not work falls back to NCCL."""
+        """One reduce of known values in each dtype it will see (bf16 activations, float32 row-parallel
+        sums), so that a mapping or dtype that silently does not work falls back to NCCL."""
         rank = dist.get_rank(group)
-        x = torch.full((1024,), float(rank + 1), dtype=torch.bfloat16, device=device)
         expected = sum(range(1, dist.get_world_size(group) + 1))
-        if not bool((self(x) == expected).all()):
-            raise RuntimeError("the one-shot all-reduce returned wrong sums")
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.full((1024,), float(rank + 1), dtype=dtype, device=device)
+            if not bool((self(x) == expected).all()):
+                raise RuntimeError(f"the one-shot all-reduce returned wrong {dtype} sums")
