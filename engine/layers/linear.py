@@ -150,11 +150,12 @@ class RowParallelLinear(LinearBase):
         start, size = input_shard or shard_range(input_size, state.tp_size, state.tp_rank)
         super().__init__(size, output_size, bias, tp_dim=1, shard_start=start)
         self.reduce_results = reduce_results
+        self.sum_in_fp32 = reduce_results and state.reduce_in_fp32  # fixed for the process, like tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return ops.gemm(x, self.weight, self.bias)
-        if self.reduce_results and get_parallel_state().reduce_in_fp32:
+        if self.sum_in_fp32:
             y = tensor_parallel_all_reduce(ops.gemm_float32(x, self.weight))
         else:
             y = ops.gemm(x, self.weight, None)

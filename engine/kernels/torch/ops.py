@@ -1,8 +1,12 @@
 """Reference implementations in plain PyTorch: correct on any device, and the oracle for other backends."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,8 +40,7 @@ def _mm_takes_out_dtype() -> bool:
         except (TypeError, RuntimeError, NotImplementedError):
             _mm_out_dtype.append(False)
         if not _mm_out_dtype[0]:
-            import logging
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "torch.mm(out_dtype=float32) is unavailable: large float32-output GEMMs round to the input dtype")
     return _mm_out_dtype[0]
 

@@ -97,7 +97,7 @@ def _candidate_tiles(n: int, k: int, element_size: int):
     yield dict(block_n=32, block_k=64, num_stages=2, num_warps=4)
 
 
-_fitted: dict[tuple, dict] = {}  # (N, K, dtype, row tile, gated, device) -> the first candidate that launched
+_fitted: dict[tuple, dict] = {}  # (N, K, dtype, row tile, gated, out dtype, device) -> the first candidate that launched
 
 
 def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
