@@ -57,7 +57,8 @@ class _Stream:
         changed = {c.index for c in delta.completions}
         outputs = [completions[i] if i in changed else _without_delta(completions[i]) for i in sorted(completions)]
         self.output = RequestOutput(self.output.request_id, self.output.prompt, self.output.prompt_token_ids,
-                                    outputs, delta.finished, self.output.prompt_logprobs, delta.num_cached_tokens)
+                                    outputs, delta.finished, self.output.prompt_logprobs, delta.num_cached_tokens,
+                                    delta.metrics or self.output.metrics)
         return self.output
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.outputs import PositionLogprobs, RequestOutput
+from engine.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 from atom_ray.executor import RayExecutor
@@ -43,6 +43,9 @@ class OutputDelta:
     # Sent once, with a request's first output.
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list | None = None
+    # The engine's timestamps (time.monotonic() on the coordinator's node; compare intervals only), sent with
+    # the first output and the last.
+    metrics: RequestMetrics | None = None
 
     @classmethod
     def from_output(cls, output: RequestOutput, first: bool) -> "OutputDelta":
@@ -50,8 +53,9 @@ class OutputDelta:
                                        c.logprobs[len(c.logprobs) - len(c.new_token_ids):] if c.logprobs is not None else None,
                                        c.finish_reason, c.stop_reason)
                        for c in output.outputs if c.new_token_ids or c.new_text or c.finish_reason]
+        metrics = replace(output.metrics) if output.metrics is not None and (first or output.finished) else None
         return cls(output.request_id, completions, output.finished, output.num_cached_tokens,
-                   output.prompt_token_ids if first else None, output.prompt_logprobs if first else None)
+                   output.prompt_token_ids if first else None, output.prompt_logprobs if first else None, metrics)
 
 
 @dataclass

@@ -11,9 +11,11 @@ the mean of the bare runs on either side; the median of those ratios is reported
 time to first token of the streamed paths at that load, and the time to first token of a one-token request
 on an idle engine, alternating requests to the bare engine and to the path so that both see the same
 machine; the median of each path request's difference to the bare requests on either side is what Ray and
-Serve add.
+Serve add. That difference is also reported less each request's own prefill time as the engine measured it
+(first scheduling to first token; through HTTP read from the server's /metrics around the request): the
+prefill compute is the same work on every path and, on a busy CPU, varies by more than the path costs.
 
-    python -m benchmarks.ray_overhead [--model smollm2-135m] [--rounds 3] [--ttft-rounds 15]
+    python -m benchmarks.ray_overhead [--model smollm2-135m] [--rounds 3] [--ttft-rounds 15] [--ttft-only]
                                       [--out bench_out/ray_overhead.json]
 """
 from __future__ import annotations
@@ -112,6 +114,15 @@ def http_stream(client, model: str):
     return stream
 
 
+def http_idle_ttft(base_url: str, model: str, prompt: str, bare_once, rounds: int) -> dict:
+    import httpx
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+            return await interleaved_idle_ttft(http_one_token(client, model, prompt), bare_once, rounds)
+    return asyncio.run(run())
+
+
 def http_path(base_url: str, model: str):
     """Runs of HTTP streaming workloads, each with a fresh light client."""
     import httpx
@@ -124,24 +135,66 @@ def http_path(base_url: str, model: str):
     return with_client
 
 
-async def interleaved_idle_ttft(stream_fn, bare_generate, prompt: str, rounds: int) -> dict:
-    """Time to the first token of a one-token request on an idle engine, through the path and through the
-    bare engine in turn (bare, path, bare, ..., path, bare; each stream read to its end, so no step of an
-    earlier request is still running when the next one arrives), after one warm-up request each. Each path
-    request is compared with the mean of the bare requests on either side; the median of those differences
-    is what Ray and Serve add (the medians of the two series are reported too)."""
-    def bare_once() -> float:
-        start = time.perf_counter()
-        bare_generate([prompt], [params_for(1)])
-        return time.perf_counter() - start
+def prefill_seconds(metrics) -> float:
+    """The engine's own part of a time to first token that the path cannot change: first scheduling to first
+    token (a prefill step's compute, the noisiest term on a shared CPU)."""
+    return metrics.first_token_time - metrics.first_scheduled_time
 
-    async def path_once() -> float:
+
+def bare_one_token(bare_generate, prompt: str):
+    def once() -> tuple[float, float]:
+        start = time.perf_counter()
+        output, = bare_generate([prompt], [params_for(1)])
+        return time.perf_counter() - start, prefill_seconds(output.metrics)
+    return once
+
+
+def ray_one_token(handle, prompt: str):
+    async def once() -> tuple[float, float]:
+        start, first, metrics = time.perf_counter(), None, None
+        async for output in handle.stream(prompt, params_for(1)):
+            if first is None and output.token_ids:
+                first = time.perf_counter() - start
+            metrics = output.metrics or metrics
+        return first, prefill_seconds(metrics)
+    return once
+
+
+PREFILL_SUM = "atom_ray:request_prefill_time_seconds_sum"
+
+
+async def scrape_sum(client, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = (await client.get("/metrics")).text
+    return next(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == name)
+
+
+def http_one_token(client, model: str, prompt: str):
+    """The server's prefill time of the request is the change of its histogram's sum around it (requests
+    here run one at a time)."""
+    stream_fn = http_stream(client, model)
+
+    async def once() -> tuple[float, float]:
+        before = await scrape_sum(client, PREFILL_SUM)
         start, first = time.perf_counter(), None
         async for count in stream_fn(prompt, 1):
             if first is None and count > 0:
                 first = time.perf_counter() - start
-        return first
+        return first, await scrape_sum(client, PREFILL_SUM) - before
+    return once
 
+
+async def interleaved_idle_ttft(path_once, bare_once, rounds: int) -> dict:
+    """Time to the first token of a one-token request on an idle engine, through the path and through the
+    bare engine in turn (bare, path, bare, ..., path, bare; each stream read to its end, so no step of an
+    earlier request is still running when the next one arrives), after one warm-up request each. Each path
+    request is compared with the mean of the bare requests on either side; the median of those differences
+    is what Ray and Serve add (the medians of the two series are reported too). Each request also reports
+    the engine's prefill time (first scheduling to first token, from the engine's own metrics): the same
+    work on both paths, and the term that varies most on a busy machine. The second figure, paired the same
+    way, compares TTFT minus that prefill time: the time spent outside the engine's prefill (HTTP, Ray,
+    queueing, scheduling, output delivery)."""
     bare_once()
     await path_once()
     bare, path = [bare_once()], []
@@ -150,10 +203,19 @@ async def interleaved_idle_ttft(stream_fn, bare_generate, prompt: str, rounds: i
         path.append(await path_once())
         await asyncio.sleep(0.1)
         bare.append(bare_once())
-    added = [p - (before + after) / 2 for p, before, after in zip(path, bare, bare[1:])]
-    return {"idle_ttft_s": statistics.median(path), "bare_idle_ttft_s": statistics.median(bare),
+
+    def paired(value) -> list[float]:
+        return [value(p) - (value(before) + value(after)) / 2 for p, before, after in zip(path, bare, bare[1:])]
+    added = paired(lambda run: run[0])
+    added_outside = paired(lambda run: run[0] - run[1])
+    return {"idle_ttft_s": statistics.median(p[0] for p in path),
+            "bare_idle_ttft_s": statistics.median(b[0] for b in bare),
+            "idle_prefill_s": statistics.median(p[1] for p in path),
+            "bare_idle_prefill_s": statistics.median(b[1] for b in bare),
             "idle_ttft_s_runs": path, "bare_idle_ttft_s_runs": bare,
-            "added_idle_ttft_ms": statistics.median(added) * 1000}
+            "added_idle_ttft_ms": statistics.median(added) * 1000,
+            "added_idle_ttft_outside_prefill_ms": statistics.median(added_outside) * 1000,
+            "added_idle_ttft_outside_prefill_ms_quartiles": [x * 1000 for x in statistics.quantiles(added_outside, n=4)]}
 
 
 def main() -> None:
@@ -162,6 +224,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--rounds", type=int, default=3, help="timed runs of each path, each between two bare runs")
     parser.add_argument("--ttft-rounds", type=int, default=15, help="one-token requests through each path for idle TTFT")
+    parser.add_argument("--ttft-only", action="store_true", help="only the idle time-to-first-token pairs")
     parser.add_argument("--out", default="bench_out/ray_overhead.json")
     args = parser.parse_args()
 
@@ -192,9 +255,12 @@ def main() -> None:
     ensure_ray(join_running=False)  # the local cluster atom_ray.start and `atom-ray serve` would start
     results["haproxy_ingress"] = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
     handle = atom_ray.start(args.model, **engine_args)
-    results["ray"] = interleaved(bare_run, lambda: timed_generate(handle.generate, prompts, params), args.rounds)
-    results["ray"].update(asyncio.run(run_streams(ray_stream(handle), prompts, output_lens)))
-    results["ray"].update(asyncio.run(interleaved_idle_ttft(ray_stream(handle), bare.generate, prompts[0], args.ttft_rounds)))
+    results["ray"] = {}
+    if not args.ttft_only:
+        results["ray"] = interleaved(bare_run, lambda: timed_generate(handle.generate, prompts, params), args.rounds)
+        results["ray"].update(asyncio.run(run_streams(ray_stream(handle), prompts, output_lens)))
+    bare_once = bare_one_token(bare.generate, prompts[0])
+    results["ray"].update(asyncio.run(interleaved_idle_ttft(ray_one_token(handle, prompts[0]), bare_once, args.ttft_rounds)))
     handle.shutdown()
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
@@ -208,23 +274,29 @@ def main() -> None:
     def http_run():
         streamed.update(http(lambda stream: run_streams(stream, prompts, output_lens)))
         return streamed["tok_s"]
-    results["http"] = interleaved(bare_run, http_run, args.rounds)
-    results["http"]["mean_ttft_s"] = streamed["mean_ttft_s"]
-    results["http"].update(http(lambda stream: interleaved_idle_ttft(stream, bare.generate, prompts[0], args.ttft_rounds)))
+    results["http"] = {}
+    if not args.ttft_only:
+        results["http"] = interleaved(bare_run, http_run, args.rounds)
+        results["http"]["mean_ttft_s"] = streamed["mean_ttft_s"]
+    results["http"].update(http_idle_ttft(base, args.model, prompts[0], bare_once, args.ttft_rounds))
     serve.shutdown()
     ray.shutdown()
 
     rows = []
     for path in ("ray", "http"):
         r = results[path]
-        rows.append((path, " / ".join(f"{t:.1f}" for t in r["tok_s_runs"]),
-                     " / ".join(f"{t:.1f}" for t in r["bare_tok_s_runs"]),
-                     " / ".join(f"{x:.2f}" for x in r["ratios"]), f"{r['ratio_vs_bare']:.2f}x",
-                     f"{r['mean_ttft_s'] * 1000:.0f}",
+        throughput = ("-",) * 5 if args.ttft_only else (
+            " / ".join(f"{t:.1f}" for t in r["tok_s_runs"]), " / ".join(f"{t:.1f}" for t in r["bare_tok_s_runs"]),
+            " / ".join(f"{x:.2f}" for x in r["ratios"]), f"{r['ratio_vs_bare']:.2f}x", f"{r['mean_ttft_s'] * 1000:.0f}")
+        rows.append((path, *throughput,
                      f"{r['idle_ttft_s'] * 1000:.1f} (bare {r['bare_idle_ttft_s'] * 1000:.1f})",
-                     f"{r['added_idle_ttft_ms']:+.1f}"))
+                     f"{r['added_idle_ttft_ms']:+.1f}",
+                     f"{r['idle_prefill_s'] * 1000:.1f} (bare {r['bare_idle_prefill_s'] * 1000:.1f})",
+                     f"{r['added_idle_ttft_outside_prefill_ms']:+.1f} "
+                     f"[{', '.join(f'{q:+.1f}' for q in r['added_idle_ttft_outside_prefill_ms_quartiles'][::2])}]"))
     print_table(["path", "output tok/s", "bare tok/s (around them)", "ratios", "median ratio",
-                 "mean TTFT ms (16 conc.)", "idle TTFT ms (medians)", "added TTFT ms (paired)"], rows)
+                 "mean TTFT ms (16 conc.)", "idle TTFT ms (medians)", "added TTFT ms (paired)",
+                 "engine prefill ms (medians)", "added TTFT outside prefill ms (paired) [quartiles]"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -8,6 +8,8 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.outputs import RequestMetrics
+
 PREFIX = "atom_ray:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
@@ -63,6 +65,17 @@ class AppMetrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last output.",
             registry=self.registry, buckets=_REQUEST_BUCKETS)
+        # The engine's own intervals (from its RequestMetrics): what the time to first token spent waiting in
+        # the engine and computing the prefill; the rest of that time is outside the engine (HTTP, Ray, ...).
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Time from the engine's arrival of a request to its first scheduling.",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.request_prefill_time = Histogram(
+            PREFIX + "request_prefill_time_seconds", "Time from a request's first scheduling to its first token.",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.request_decode_time = Histogram(
+            PREFIX + "request_decode_time_seconds", "Time from a request's first token to its last.",
+            registry=self.registry, buckets=_REQUEST_BUCKETS)
         # A counter family built by hand, so that finish reasons seen by this app add up across scrapes.
         self._finished: dict[str, int] = {}
         self._engine_stats = _EngineStatsCollector()
@@ -95,12 +108,18 @@ class RequestTimer:
         self.start = arrival_time  # time.monotonic() when the HTTP request arrived
         self.last: float | None = None
 
-    def on_output(self, finished: bool) -> None:
+    def on_output(self, finished: bool, engine: RequestMetrics | None = None) -> None:
+        """`engine`: the output's engine-side metrics, where the client passes them on."""
         now = time.monotonic()
         if self.last is None:
             self.metrics.time_to_first_token.observe(now - self.start)
+            if engine is not None and engine.first_scheduled_time is not None and engine.first_token_time is not None:
+                self.metrics.request_queue_time.observe(engine.first_scheduled_time - engine.arrival_time)
+                self.metrics.request_prefill_time.observe(engine.first_token_time - engine.first_scheduled_time)
         else:
             self.metrics.inter_token_latency.observe(now - self.last)
         self.last = now
         if finished:
             self.metrics.e2e_request_latency.observe(now - self.start)
+            if engine is not None and engine.first_token_time is not None and engine.last_token_time is not None:
+                self.metrics.request_decode_time.observe(engine.last_token_time - engine.first_token_time)

@@ -85,7 +85,7 @@ class EngineRequests:
             await self.close()
 
     def _observe(self, index: int, output: RequestOutput) -> None:
-        self.timers[index].on_output(output.finished)
+        self.timers[index].on_output(output.finished, output.metrics)
         if output.finished:
             self.unfinished.discard(index)
             for completion in output.outputs:

@@ -7,6 +7,7 @@ import threading
 
 from atom_ray.client import RayEngineClient, _Stream
 from atom_ray.coordinator import CompletionDelta, OutputDelta
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 class _NoCoordinator:
@@ -26,9 +27,9 @@ def _client() -> RayEngineClient:
     return client
 
 
-def _delta(request_id: str, token: int, text: str, finished: bool = False) -> OutputDelta:
+def _delta(request_id: str, token: int, text: str, finished: bool = False, metrics=None) -> OutputDelta:
     return OutputDelta(request_id, [CompletionDelta(0, text, [token], None, "length" if finished else None, None)],
-                       finished, 0, prompt_token_ids=[1, 2])
+                       finished, 0, prompt_token_ids=[1, 2], metrics=metrics)
 
 
 def test_a_polled_batch_reaches_every_reader_in_order_with_one_hand_over_per_loop():
@@ -63,3 +64,23 @@ def test_outputs_for_a_reader_whose_loop_has_closed_abort_its_request():
     _NoCoordinator.abort.calls.clear()
     client._dispatch([_delta("gone", 7, " x")])
     assert _NoCoordinator.abort.calls == [["gone"]]
+
+
+def test_engine_metrics_go_with_the_first_and_last_delta_and_stay_on_the_outputs():
+    metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, last_token_time=2.0)
+    output = RequestOutput("r", "p", [1, 2], [CompletionOutput(0, " x", [7], new_text=" x", new_token_ids=[7])],
+                           metrics=metrics)
+    first = OutputDelta.from_output(output, first=True)
+    metrics.last_token_time = 3.0  # the engine goes on updating its own object
+    middle = OutputDelta.from_output(output, first=False)
+    metrics.finished_time = 3.5
+    output.finished = True
+    last = OutputDelta.from_output(output, first=False)
+    assert first.metrics == RequestMetrics(1.0, 1.5, 2.0, 2.0) and first.metrics is not metrics  # a snapshot
+    assert middle.metrics is None  # not on every step's delta
+    assert last.metrics.finished_time == 3.5
+
+    stream = _Stream(asyncio.new_event_loop(), "p")
+    outputs = [stream.apply(delta) for delta in (first, middle, last)]
+    assert [o.metrics.last_token_time for o in outputs] == [2.0, 2.0, 3.0]
+    assert outputs[-1].metrics.finished_time == 3.5

@@ -39,6 +39,10 @@ def test_stream_yields_deltas_that_add_up(handle):
     pieces, last = asyncio.run(collect())
     assert last.finished and len(last.token_ids) == 12
     assert "".join(pieces) == last.text and len(pieces) > 1
+    # The engine's timestamps travel back with the outputs (same node here, so they can be compared).
+    m = last.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert m.finished_time <= time.monotonic()
 
 
 def test_leaving_a_stream_early_aborts_and_frees_kv_blocks(handle):

@@ -126,8 +126,14 @@ def test_metrics_expose_the_names_and_move_after_requests(server, idle_engine):
     assert after["atom_ray:prefix_cache_hits_total"] > before["atom_ray:prefix_cache_hits_total"]
     success = "atom_ray:request_success_total{finished_reason=length}"
     assert after[success] == before.get(success, 0) + 2
-    for histogram in ("atom_ray:time_to_first_token_seconds", "atom_ray:e2e_request_latency_seconds"):
+    for histogram in ("atom_ray:time_to_first_token_seconds", "atom_ray:e2e_request_latency_seconds",
+                      "atom_ray:request_queue_time_seconds", "atom_ray:request_prefill_time_seconds",
+                      "atom_ray:request_decode_time_seconds"):
         assert after[f"{histogram}_count"] == before[f"{histogram}_count"] + 2
+    # The engine's share of the time to first token lies inside it.
+    added = {name: after[f"atom_ray:{name}_seconds_sum"] - before[f"atom_ray:{name}_seconds_sum"]
+             for name in ("time_to_first_token", "request_queue_time", "request_prefill_time")}
+    assert 0 < added["request_queue_time"] + added["request_prefill_time"] <= added["time_to_first_token"]
     gaps = "atom_ray:inter_token_latency_seconds_count"
     assert after[gaps] >= before[gaps] + 6
 
