@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import torch
 
 from benchmarks.common import environment_record, print_table
 from benchmarks.device_limits import device_limits
-from benchmarks.kernel_variants import KERNEL_VARIANTS
+from benchmarks.kernel_variants import KERNEL_VARIANTS, OPS_TABLE_VARIANTS
 
 DEFAULT_MODEL = "benchmarks/configs/llama-3.1-8b"
 NUM_REQUESTS, PROMPT_RANGE, OUTPUT_RANGE = 512, (128, 1024), (64, 512)
@@ -71,7 +72,8 @@ def timed_generate(llm, prompts, params) -> float:
 
 
 # ---- latency ----------------------------------------------------------------------------------------------
-def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants: tuple[str, ...] = ()) -> dict:
+def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants: tuple[str, ...] = (),
+                        alternate: int = 0) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, show_progress=False)
     engine = llm.engine
@@ -99,6 +101,24 @@ def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants
     runner.graphs = None
     results["graph_tokens_equal_eager"] = tokens == greedy_tokens()
     runner.graphs = graphs
+    if alternate:
+        # The current kernels and the variants' (all patches of the ops table, so undone by restoring it) in
+        # turn, graphs re-captured each time: the same engine and GPU state, alternating, so drift between
+        # the two shows as spread rather than as a difference.
+        from engine.kernels import ops
+        current = dict(ops.__dict__)
+        for name in ("current", "variants"):
+            results[f"alternating {name}"] = []
+        for _ in range(alternate):
+            for name in ("current", "variants"):
+                ops.__dict__.update(current)
+                if name == "variants":
+                    for variant in variants:
+                        KERNEL_VARIANTS[variant]()
+                graphs.capture()
+                results[f"alternating {name}"].append(rate())
+        ops.__dict__.update(current)
+        graphs.capture()
     for variant in variants:  # earlier kernel sequences, re-captured into fresh graphs of the same engine
         KERNEL_VARIANTS[variant]()
         graphs.capture()
@@ -150,7 +170,9 @@ def latency(args) -> dict:
     mean_context = 128 + new_tokens / 2
     step_bytes = facts["weight_bytes_per_step"] + facts["kv_bytes_per_token"] * mean_context
     roofline = limits["bandwidth_GBps"] * 1e9 / step_bytes
-    ours = engine_decode_rates(args.model, prompt, new_tokens, tuple(args.variant))
+    if args.alternate and not set(args.variant) <= OPS_TABLE_VARIANTS:
+        raise SystemExit(f"--alternate takes only variants that patch the ops table: {sorted(OPS_TABLE_VARIANTS)}")
+    ours = engine_decode_rates(args.model, prompt, new_tokens, tuple(args.variant), args.alternate)
     hf = hf_decode_rate(args.model, prompt, new_tokens) if not args.skip_hf else None
     rows = []
     for variant in ("graphs_and_run_ahead", "graphs_only", "eager") + tuple(f"variant {v}" for v in args.variant):
@@ -159,6 +181,12 @@ def latency(args) -> dict:
     if hf:
         rows.append(("transformers generate", f"{hf:.1f}", f"{hf / roofline:.3f}", "1.00x"))
     print_table(["decode b=1", "tok/s", "of roofline", "vs transformers"], rows)
+    if args.alternate:
+        current, variant = ours["alternating current"], ours["alternating variants"]
+        print_table(["alternating runs", "tok/s each", "median", "of roofline"],
+                    [(name, " / ".join(f"{r:.1f}" for r in runs), f"{statistics.median(runs):.1f}",
+                      f"{statistics.median(runs) / roofline:.3f}")
+                     for name, runs in (("current kernels", current), ("+".join(args.variant), variant))])
     print(f"roofline {roofline:.1f} tok/s = {limits['bandwidth_GBps']:.0f} GB/s / {step_bytes / 1e9:.2f} GB per step")
     return {"limits": limits, "model_facts": facts, "roofline_tok_s": roofline, "bytes_per_step": step_bytes,
             "engine": ours, "hf_tok_s": hf, "prompt_tokens": 128, "new_tokens": new_tokens}
@@ -312,6 +340,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], choices=sorted(KERNEL_VARIANTS),
                         help="latency, throughput: also time this earlier kernel sequence in the same run (repeatable, "
                              "cumulative)")
+    parser.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                        help="latency: also time the current kernels and the variants together in turn, ROUNDS each "
+                             "(variants that patch the ops table only)")
     parser.add_argument("--num-requests", type=int, default=None, help="hf-throughput: only the first N requests; throughput: also time the engine on them")
     args = parser.parse_args()
     try:
