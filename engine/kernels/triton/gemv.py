@@ -62,11 +62,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if NORM:
         act_dtype = w_ptr.dtype.element_ty
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         r_rows = r_ptr + rows.to(tl.int64)[:, None] * stride_rm
-        ro_rows = ro_ptr + rows.to(tl.int64)[:, None] * stride_rom
-        # Program 0 writes the new residual stream (a fresh buffer: the others still read the old one).
-        writes_residual = row_mask & ((rows + pid) == rows)[:, None]
     for k in range(0, K, BLOCK_K):
         k_mask = ((k + ks) < K)[None, :]
         x = tl.load(x_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0)
@@ -78,15 +75,26 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
             if ADD_RESIDUAL:
                 res = tl.load(r_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0)
                 h = (h.to(tl.float32) + res.to(tl.float32)).to(act_dtype)
-                tl.store(ro_rows + k + ks[None, :], h, mask=writes_residual & k_mask)
             h32 = h.to(tl.float32)
-            squares += tl.sum(h32 * h32, axis=1)
+            squares += h32 * h32
             gamma = tl.load(g_ptr + k + ks, mask=(k + ks) < K, other=0.0).to(tl.float32)
             x = (h32 * gamma[None, :]).to(act_dtype)
         w = tl.load(w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask, other=0.0)
         acc += dot(x, tl.trans(w), UPCAST)
     if NORM:
-        acc *= tl.math.rsqrt(squares / K + eps)[:, None]
+        acc *= tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        if ADD_RESIDUAL:
+            if pid == 0:
+                # The new residual stream, written by one program after its product (a store inside the
+                # loop above would keep the weight loads from being pipelined), to a fresh buffer: the
+                # other programs may still be reading the old one.
+                ro_rows = ro_ptr + rows.to(tl.int64)[:, None] * stride_rom
+                for k in range(0, K, BLOCK_K):
+                    k_mask = ((k + ks) < K)[None, :]
+                    x = tl.load(x_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0).to(act_dtype)
+                    res = tl.load(r_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0)
+                    tl.store(ro_rows + k + ks[None, :], (x.to(tl.float32) + res.to(tl.float32)).to(act_dtype),
+                             mask=row_mask & k_mask)
     if HAS_BIAS:
         acc += tl.load(b_ptr + w_index, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_dtype = y_ptr.dtype.element_ty
@@ -134,7 +142,8 @@ class NormPrologue:
     residual_out: torch.Tensor | None = None
 
 
-# (N, K, dtype, row tile, gated, out dtype, norm, device) -> the first candidate that launched
+# (N, K, dtype, row tile, gated, out dtype, norm (None, or whether it adds a residual), device) -> the first
+# candidate that launched
 _fitted: dict[tuple, dict] = {}
 
 
@@ -142,7 +151,7 @@ def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    out_dtype: torch.dtype | None, norm: NormPrologue | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     key = (weight.shape[0], weight.shape[1], x.dtype, max(16, triton.next_power_of_2(rows)), gated, out_dtype,
-           norm is not None, x.device)
+           None if norm is None else norm.residual is not None, x.device)
     tiles = _fitted.get(key)
     if tiles is not None:
         return skinny_gemm(x, weight, bias, **tiles, gated=gated, out_dtype=out_dtype, norm=norm)
