@@ -7,15 +7,12 @@ CUDA graph) so that, as in a real decode step, no weight is served from L2.
 
     python -m benchmarks.gemm_bench --out gemm.json [--model benchmarks/configs/llama-3.1-8b] [--tp 1]
     python -m benchmarks.gemm_bench --layer-chain --out chain.json   # layers' GEMMs in order, SiLU fused or not
-    python -m benchmarks.gemm_bench --norm-chain --out chain.json    # ... with the RMSNorms fused or not
-    python -m benchmarks.gemm_bench --norm --only qkv,gate_up --rows 1 --out norm.json  # tiles with the norm fused
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -116,44 +113,6 @@ def layer_chain_rows(config: dict, tp: int, rows: list[int], layers: int = 4) ->
     return out
 
 
-def norm_chain_rows(config: dict, tp: int, rows: list[int], layers: int = 4) -> list[dict]:
-    """A decoder layer's GEMMs in order as the engine runs them at decode sizes, over several layers' weights:
-    each RMSNorm (with its residual add) as its own kernel before the QKV and gate/up projections, or in
-    those GEMMs' prologue; the latter also without the residual add (to tell the add's cost)."""
-    from engine.kernels.triton import gemv, ops
-    shapes = projection_shapes(config, tp)
-    names = ("qkv", "o", "gate_up", "down")
-    weights = [{name: torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16) for name in names}
-               for _ in range(layers)]
-    layer_bytes = sum(w.numel() * 2 for w in weights[0].values())
-    hidden, inter = shapes["o"][0], shapes["down"][1]
-    gamma = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
-    out = []
-    for m in rows:
-        x, residual, residual_out = (torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        attn, act = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for n in (shapes["o"][1], inter))
-
-        def layer_calls(layer, variant):
-            if variant == "norm kernels":
-                qkv = lambda: gemv.skinny_gemm(ops.fused_add_rms_norm(x, residual, gamma, 1e-5)[0], layer["qkv"])
-                gate_up = lambda: gemv.skinny_gemm(ops.fused_add_rms_norm(x, residual, gamma, 1e-5)[0],
-                                                   layer["gate_up"], gated=True)
-            else:
-                norm = (gemv.NormPrologue(gamma, 1e-5, residual, residual_out) if variant == "norm in GEMM prologue"
-                        else gemv.NormPrologue(gamma, 1e-5))
-                qkv = lambda: gemv.skinny_gemm(x, layer["qkv"], norm=norm)
-                gate_up = lambda: gemv.skinny_gemm(x, layer["gate_up"], gated=True, norm=norm)
-            return [qkv, lambda: gemv.skinny_gemm(attn, layer["o"]), gate_up,
-                    lambda: gemv.skinny_gemm(act, layer["down"])]
-        timings = {}
-        for variant in ("norm kernels", "norm in GEMM prologue", "norm in GEMM prologue, no residual add"):
-            calls = [call for layer in weights for call in layer_calls(layer, variant)]
-            timings[variant] = time_calls(calls) * len(calls) / layers
-        out.append(dict(m=m, layer_bytes=layer_bytes, us_per_layer=timings,
-                        gbps={label: layer_bytes / (us * 1e-6) / 1e9 for label, us in timings.items()}))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
@@ -162,25 +121,17 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated projections to run (qkv,o,gate_up,down,lm_head)")
     parser.add_argument("--layer-chain", action="store_true",
                         help="only time decoder layers' GEMM sequences, with the SiLU-and-mul fused or as its own kernel")
-    parser.add_argument("--norm-chain", action="store_true",
-                        help="only time decoder layers' GEMM sequences, with each RMSNorm as its own kernel or in the "
-                             "GEMM's prologue")
-    parser.add_argument("--norm", action="store_true",
-                        help="sweep the tiles of the GEMMs with the RMSNorm (and residual add) in their prologue")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    from engine.kernels.triton.gemv import NormPrologue
-    from engine.kernels.triton.gemv import skinny_gemm as skinny_gemm_plain
-    skinny_gemm = skinny_gemm_plain
+    from engine.kernels.triton.gemv import skinny_gemm
     config = json.loads((Path(args.model) / "config.json").read_text())
     l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     copy_bw, read_bw = copy_bandwidth_gbps(), read_bandwidth_gbps()
     print(f"copy {copy_bw:.0f} GB/s, read {read_bw:.0f} GB/s, L2 {l2_bytes >> 20} MiB, TP={args.tp}")
-    if args.layer_chain or args.norm_chain:
-        chain = (norm_chain_rows if args.norm_chain else layer_chain_rows)(config, args.tp,
-                                                                           [int(r) for r in args.rows.split(",")])
-        base = "norm kernels" if args.norm_chain else "SiLU-and-mul kernel"
-        print_table(["rows", "variant", "us/layer", "GB/s", "of read bw", f"vs {base}"],
+    if args.layer_chain:
+        chain = layer_chain_rows(config, args.tp, [int(r) for r in args.rows.split(",")])
+        base = "SiLU-and-mul kernel"
+        print_table(["rows", "variant", "us/layer", "GB/s", "of read bw", "vs separate SiLU-and-mul"],
                     [(r["m"], label, f"{us:.1f}", f"{r['gbps'][label]:.0f}", f"{r['gbps'][label] / read_bw:.3f}",
                       f"{r['us_per_layer'][base] / us:.3f}") for r in chain for label, us in r["us_per_layer"].items()])
         Path(args.out).write_text(json.dumps({"environment": environment_record(), "tp": args.tp, "copy_gbps": copy_bw,
@@ -196,12 +147,6 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             expected = F.linear(x, weights[0])
-            if args.norm:  # the BLAS column stays the plain product: the bytes to beat
-                residual = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                norm = NormPrologue(torch.ones(k, device="cuda", dtype=torch.bfloat16), 1e-5, residual,
-                                    torch.empty_like(residual))
-                expected = F.linear(F.rms_norm((x + residual).float(), (k,), eps=1e-5).bfloat16(), weights[0])
-                skinny_gemm = partial(skinny_gemm_plain, norm=norm)
             blas_us = time_calls([lambda w=w: F.linear(x, w) for w in weights])
             best = None
             for cfg in (CONFIGS if m <= 16 else CONFIGS_MANY_ROWS):

@@ -4,18 +4,6 @@ order they are cumulative, and the engine's CUDA graphs must be captured again a
 from __future__ import annotations
 
 
-def separate_norms() -> None:
-    """Each RMSNorm (with its residual add) as its own kernel before the projection that consumes it, as
-    before the norms moved into the skinny GEMM's prologue."""
-    from engine.kernels import ops
-    from engine.kernels.registry import unfused_rms_norm_gemm
-
-    def rms_norm_gemm(x, residual, norm_weight, eps, weight, bias=None, gated=False):
-        separate = unfused_rms_norm_gemm(ops.rms_norm, ops.fused_add_rms_norm, ops.gemm, ops.gated_gemm)
-        return separate(x, residual, norm_weight, eps, weight, bias, gated)
-    ops.rms_norm_gemm = rms_norm_gemm
-
-
 def unfused_rope() -> None:
     """The kernel sequence before RoPE was fused into the KV-cache write: a separate rotary kernel, then
     the plain cache write (for before/after comparisons in one run)."""
@@ -93,10 +81,10 @@ def blas_gemm() -> None:
 
 # Applied cumulatively in the order given, each re-timed: e.g. `--variant unfused-rope --variant
 # long-decode-splits` ends at the kernel sequence before both changes.
-KERNEL_VARIANTS = {"separate-norms": separate_norms, "l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
+KERNEL_VARIANTS = {"l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
                    "separate-silu-and-mul": separate_silu_and_mul,
                    "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
                    "separate-decode-kernels": separate_decode_kernels, "unfused-rope": unfused_rope,
                    "long-decode-splits": long_decode_splits}
 # Variants that only replace operations of the ops table (undone by restoring it: `gpu_perf --alternate`).
-OPS_TABLE_VARIANTS = {"separate-norms", "separate-silu-and-mul", "blas-gemm"}
+OPS_TABLE_VARIANTS = {"separate-silu-and-mul", "blas-gemm"}

@@ -25,9 +25,6 @@ OPS = (
     "rotary_embedding",     # (positions, q, k, cos_sin_cache, is_neox) -> (q, k), may be in place
     "silu_and_mul",         # (x[..., 2I]) -> silu(x[..., :I]) * x[..., I:]
     "gated_gemm",           # (x, weight[2I,K], bias|None) -> silu_and_mul(gemm(x, weight, bias)): the MLP's gate/up
-    "rms_norm_gemm",        # (x, residual|None, norm_weight, eps, weight, bias|None, gated) -> (gemm or gated_gemm
-                            #   of the normalised x + residual, x + residual (x without residual)): a norm and
-                            #   the projection after it; a backend without it gets its own norm and GEMM in turn
     "sample",               # (logits[B,V] fp32, SamplingTensors) -> token ids [B] int64
 )
 
@@ -78,30 +75,14 @@ def choose_backend_name(requested: str, device: torch.device) -> str:
 
 
 def resolve(requested: str, device: torch.device) -> KernelBackend:
-    """The chosen backend with every missing operation filled in from the torch reference (`rms_norm_gemm`
-    from the backend's own norm and GEMM)."""
+    """The chosen backend with every missing operation filled in from the torch reference."""
     name = choose_backend_name(requested, device)
     backend = _load(name).BACKEND
     if name == "torch":
         return backend
     reference = _load("torch").BACKEND
-    missing = [op for op in OPS if op not in backend.ops and op != "rms_norm_gemm"]
+    missing = [op for op in OPS if op not in backend.ops]
     if missing:
         logger.info("kernel backend %s: using the torch reference for %s", name, ", ".join(missing))
     table = {op: backend.ops.get(op, reference.ops[op]) for op in OPS}
-    if "rms_norm_gemm" not in backend.ops:  # composed of this backend's own kernels, not the reference's
-        table["rms_norm_gemm"] = unfused_rms_norm_gemm(table["rms_norm"], table["fused_add_rms_norm"],
-                                                       table["gemm"], table["gated_gemm"])
     return KernelBackend(name, table, backend.attention or reference.attention)
-
-
-def unfused_rms_norm_gemm(rms_norm: Callable, fused_add_rms_norm: Callable, gemm: Callable,
-                          gated_gemm: Callable) -> Callable:
-    """The `rms_norm_gemm` operation made of a backend's norm and GEMM operations, one after the other."""
-    def rms_norm_gemm(x, residual, norm_weight, eps, weight, bias=None, gated=False):
-        if residual is None:
-            normed, residual = rms_norm(x, norm_weight, eps), x
-        else:
-            normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-        return (gated_gemm if gated else gemm)(normed, weight, bias), residual
-    return rms_norm_gemm

@@ -79,11 +79,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.shards = [shard_range(size, state.tp_size, state.tp_rank) for size in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, output_shard=(0, sum(s for _, s in self.shards)))
 
-    @property
-    def gated_pair(self) -> bool:
-        """Whether this is a [gate; up] pair of equal halves, whose product a gated GEMM turns into
-        silu(gate) * up."""
-        return len(self.shards) == 2 and self.shards[0][1] == self.shards[1][1]
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate; up] pair, in one operation that a backend may run as one kernel."""
+        assert len(self.shards) == 2 and self.shards[0][1] == self.shards[1][1], self.shards
+        return ops.gated_gemm(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         start, size = self.shards[shard_id]

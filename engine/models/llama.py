@@ -38,8 +38,8 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention of the QKV projection's output (the decoder layer runs that projection with its norm)."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -59,6 +59,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.forward_gated(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,12 +72,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden_states, residual):
-        # Each norm runs with the projection after it: one kernel at decode sizes on the triton backend.
-        qkv, residual = self.input_layernorm.forward_into(self.self_attn.qkv_proj, hidden_states, residual)
-        hidden_states = self.self_attn(positions, qkv)
-        activations, residual = self.post_attention_layernorm.forward_into(self.mlp.gate_up_proj, hidden_states,
-                                                                          residual, gated=True)
-        return self.mlp.down_proj(activations), residual
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):

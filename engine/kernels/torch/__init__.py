@@ -1,7 +1,7 @@
 """The torch reference backend: every operation, on any device."""
 from __future__ import annotations
 
-from engine.kernels.registry import KernelBackend, unfused_rms_norm_gemm
+from engine.kernels.registry import KernelBackend
 from engine.kernels.torch import ops
 from engine.kernels.torch.attention import TorchAttentionBackend
 from engine.kernels.torch.sampling import sample
@@ -16,7 +16,6 @@ BACKEND = KernelBackend(
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
         "gated_gemm": ops.gated_gemm,
-        "rms_norm_gemm": unfused_rms_norm_gemm(ops.rms_norm, ops.fused_add_rms_norm, ops.gemm, ops.gated_gemm),
         "sample": sample,
     },
     attention=TorchAttentionBackend,

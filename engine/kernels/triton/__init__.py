@@ -23,7 +23,6 @@ BACKEND = KernelBackend(
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
         "gated_gemm": gemv.gated_gemm,
-        "rms_norm_gemm": gemv.rms_norm_gemm,
         "sample": sample,
     },
     attention=TritonAttentionBackend,

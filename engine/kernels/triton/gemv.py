@@ -10,13 +10,10 @@ a plain `sum` read of 1 GiB. Larger batches are compute-shaped and stay on the B
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.registry import unfused_rms_norm_gemm
 from engine.kernels.torch import ops as torch_ops
 from engine.kernels.triton import ops, pdl
 from engine.kernels.triton.common import dot
@@ -30,9 +27,7 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        r_ptr, g_ptr, ro_ptr, stride_rm, stride_rom, eps,
-                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                        ADD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                         USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     pid = tl.program_id(0)
@@ -60,41 +55,11 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     row_mask = (rows < M)[:, None]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if NORM:
-        act_dtype = w_ptr.dtype.element_ty
-        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        r_rows = r_ptr + rows.to(tl.int64)[:, None] * stride_rm
     for k in range(0, K, BLOCK_K):
         k_mask = ((k + ks) < K)[None, :]
         x = tl.load(x_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0)
-        if NORM:
-            # RMSNorm in the prologue: h = x (+ residual), rounded to the activations' dtype as the separate
-            # add-and-norm kernel rounds it; the product takes h * gamma, and the accumulator is scaled by
-            # 1 / rms(h) at the end, once the sum of squares has seen every column.
-            h = x.to(act_dtype)
-            if ADD_RESIDUAL:
-                res = tl.load(r_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0)
-                h = (h.to(tl.float32) + res.to(tl.float32)).to(act_dtype)
-            h32 = h.to(tl.float32)
-            squares += h32 * h32
-            gamma = tl.load(g_ptr + k + ks, mask=(k + ks) < K, other=0.0).to(tl.float32)
-            x = (h32 * gamma[None, :]).to(act_dtype)
         w = tl.load(w_rows + k + ks[None, :], mask=col_mask[:, None] & k_mask, other=0.0)
         acc += dot(x, tl.trans(w), UPCAST)
-    if NORM:
-        acc *= tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
-        if ADD_RESIDUAL:
-            if pid == 0:
-                # The new residual stream, written by one program after its product (a store inside the
-                # loop above would keep the weight loads from being pipelined), to a fresh buffer: the
-                # other programs may still be reading the old one.
-                ro_rows = ro_ptr + rows.to(tl.int64)[:, None] * stride_rom
-                for k in range(0, K, BLOCK_K):
-                    k_mask = ((k + ks) < K)[None, :]
-                    x = tl.load(x_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0).to(act_dtype)
-                    res = tl.load(r_rows + k + ks[None, :], mask=row_mask & k_mask, other=0.0)
-                    tl.store(ro_rows + k + ks[None, :], (x.to(tl.float32) + res.to(tl.float32)).to(act_dtype),
-                             mask=row_mask & k_mask)
     if HAS_BIAS:
         acc += tl.load(b_ptr + w_index, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_dtype = y_ptr.dtype.element_ty
@@ -132,33 +97,20 @@ def _candidate_tiles(n: int, k: int, element_size: int):
     yield dict(block_n=32, block_k=64, num_stages=2, num_warps=4)
 
 
-@dataclass(frozen=True)
-class NormPrologue:
-    """RMSNorm of the GEMM's input, applied in its prologue: the GEMM multiplies norm(x + residual) (norm(x)
-    without a residual), and writes x + residual to `residual_out`."""
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    residual_out: torch.Tensor | None = None
-
-
-# (N, K, dtype, row tile, gated, out dtype, norm (None, or whether it adds a residual), device) -> the first
-# candidate that launched
-_fitted: dict[tuple, dict] = {}
+_fitted: dict[tuple, dict] = {}  # (N, K, dtype, row tile, gated, out dtype, device) -> the first candidate that launched
 
 
 def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-                   out_dtype: torch.dtype | None, norm: NormPrologue | None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    key = (weight.shape[0], weight.shape[1], x.dtype, max(16, triton.next_power_of_2(rows)), gated, out_dtype,
-           None if norm is None else norm.residual is not None, x.device)
+    key = (weight.shape[0], weight.shape[1], x.dtype, max(16, triton.next_power_of_2(rows)), gated, out_dtype, x.device)
     tiles = _fitted.get(key)
     if tiles is not None:
-        return skinny_gemm(x, weight, bias, **tiles, gated=gated, out_dtype=out_dtype, norm=norm)
+        return skinny_gemm(x, weight, bias, **tiles, gated=gated, out_dtype=out_dtype)
     error = None
     for tiles in _candidate_tiles(weight.shape[0], weight.shape[1], x.element_size()):
         try:  # a launch whose buffers do not fit this GPU's shared memory fails before it runs
-            out = skinny_gemm(x, weight, bias, **tiles, gated=gated, out_dtype=out_dtype, norm=norm)
+            out = skinny_gemm(x, weight, bias, **tiles, gated=gated, out_dtype=out_dtype)
         except triton.runtime.errors.OutOfResources as exc:
             error = exc
             continue
@@ -169,57 +121,40 @@ def _launch_fitted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 block_n: int | None = None, block_k: int = 256, num_stages: int = 4, num_warps: int = 4, *,
-                gated: bool = False, out_dtype: torch.dtype | None = None,
-                norm: NormPrologue | None = None) -> torch.Tensor:
+                gated: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for x [..., K] with at most 128 rows and weight [N, K] (contiguous rows). With
-    gated, the weight is a merged [gate; up] projection and y = silu(gate) * up, [..., N / 2]. With norm,
-    x is first normalised (see NormPrologue). y is in out_dtype (default: the weight's with norm, else
-    x's). Without tile sizes: the preferred tiles that fit this GPU (found at the first call of each shape,
-    then kept)."""
-    out_dtype = out_dtype or (weight.dtype if norm is not None else x.dtype)
-    assert not (gated and out_dtype != (weight.dtype if norm is not None else x.dtype)), \
-        "the gated epilogue rounds to the activations' dtype"
+    gated, the weight is a merged [gate; up] projection and y = silu(gate) * up, [..., N / 2]. y is in
+    out_dtype (default: x's). Without tile sizes: the preferred tiles that fit this GPU (found at the first
+    call of each shape, then kept)."""
+    assert not (gated and out_dtype not in (None, x.dtype)), "the gated epilogue rounds to x's dtype"
     if block_n is None:
-        return _launch_fitted(x, weight, bias, gated, out_dtype, norm)
+        return _launch_fitted(x, weight, bias, gated, out_dtype)
     k = x.shape[-1]
-    rows = _rows(x)
+    rows = x.reshape(-1, x.shape[-1])
     m, n = rows.shape[0], weight.shape[0]
     assert m <= 128 and weight.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
     assert not gated or (n % 2 == 0 and block_n % 2 == 0), (n, block_n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     n_out = n // 2 if gated else n
-    out = torch.empty(m, n_out, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n_out)
-    residual = residual_out = rows  # placeholders where there is no residual
-    if norm is not None and norm.residual is not None:
-        residual, residual_out = _rows(norm.residual), norm.residual_out.view(m, k)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0), weight.stride(0),
-        out.stride(0), residual, norm.weight if norm is not None else weight, residual_out, residual.stride(0),
-        residual_out.stride(0), norm.eps if norm is not None else 0.0,
-        HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
-        ADD_RESIDUAL=norm is not None and norm.residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=weight.dtype != torch.float32 and x.device.type == "cpu",
+        out.stride(0), HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=x.dtype != torch.float32 and x.device.type == "cpu",
         num_stages=num_stages, num_warps=num_warps, PREFETCH_LINES=PREFETCH_BYTES_PER_ROW // 128,
         LINE=128 // weight.element_size(), **pdl.launch_options(out))
     return out.view(*x.shape[:-1], n_out)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the skinny kernel serves this product: decode-sized half-precision batches on a GPU (the
     BLAS serves larger ones, and fp32, whose runs are the accuracy reference)."""
-    return x.dtype == weight.dtype and _decode_sized(x, weight)
-
-
-def _decode_sized(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (0 < rows <= MAX_ROWS and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
-            and x.is_cuda)
+    return (0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1 and x.is_cuda)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -242,25 +177,3 @@ def gated_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if takes(x, weight):
         return skinny_gemm(x, weight, bias, gated=True)
     return ops.silu_and_mul(torch.nn.functional.linear(x, weight, bias))
-
-
-_unfused_rms_norm_gemm = unfused_rms_norm_gemm(ops.rms_norm, ops.fused_add_rms_norm, gemm, gated_gemm)
-
-
-def rms_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                  weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False):
-    """(gemm or gated_gemm of norm(x + residual), x + residual): at decode sizes one skinny-GEMM launch with
-    the norm in its prologue (no separate norm kernel, no normalised activations written and re-read), else
-    the norm kernel and then the GEMM.
-
-    The fused kernel scales the product by 1 / rms at the end instead of rounding the normalised input to
-    bf16 before it, so its results differ from the separate kernels' within bf16 rounding."""
-    # A float32 x (a row-parallel sum) is rounded to the residual's dtype first, as the norm kernels do.
-    fused = (_decode_sized(x, weight) and norm_weight.is_contiguous() and norm_weight.numel() == x.shape[-1]
-             and (x.dtype == weight.dtype if residual is None else
-                  residual.dtype == weight.dtype and residual.shape == x.shape and x.dtype in (weight.dtype, torch.float32)))
-    if not fused:
-        return _unfused_rms_norm_gemm(x, residual, norm_weight, eps, weight, bias, gated)
-    residual_out = x if residual is None else torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-    y = skinny_gemm(x, weight, bias, gated=gated, norm=NormPrologue(norm_weight, eps, residual, residual_out))
-    return y, residual_out

@@ -26,7 +26,7 @@ def restore(monkeypatch):
         monkeypatch.setattr(TritonAttentionBackend, name, inspect.getattr_static(TritonAttentionBackend, name))
     monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW", gemv.PREFETCH_BYTES_PER_ROW)
     monkeypatch.setattr(decode_attention, "FUSED_DECODE", decode_attention.FUSED_DECODE)
-    for name in ("gemm", "gated_gemm", "rms_norm_gemm"):
+    for name in ("gemm", "gated_gemm"):
         monkeypatch.setattr(ops, name, getattr(ops, name))
     monkeypatch.setenv("ATOM_RAY_TRITON_PDL", "1")
     yield
@@ -113,26 +113,6 @@ def test_separate_silu_and_mul_gives_the_fused_result_through_separate_ops(resto
     separate = ops.gated_gemm(x, weight)
     assert calls[-1] == (3, 96), "SiLU-and-mul ran as its own operation on the GEMM's output"
     torch.testing.assert_close(separate.float(), fused.float(), rtol=3e-2, atol=0.5)
-
-
-def test_separate_norms_give_the_fused_result_through_the_norm_op(restore, monkeypatch):
-    """The norm before a projection runs as the table's own norm operation again, then the GEMM."""
-    from engine.kernels import triton as triton_backend
-    for name, op in triton_backend.BACKEND.ops.items():
-        monkeypatch.setattr(ops, name, op)
-    monkeypatch.setattr(gemv, "_decode_sized", lambda x, weight: True)  # the fused kernel, also on CPU
-    calls = []
-    monkeypatch.setattr(ops, "fused_add_rms_norm",
-                        lambda *args: calls.append(args[0].shape) or triton_backend.BACKEND.ops["fused_add_rms_norm"](*args))
-    x, residual = (torch.randn(3, 64, device=DEVICE).to(torch.bfloat16) for _ in range(2))
-    gamma, weight = torch.ones(64, device=DEVICE).to(torch.bfloat16), torch.randn(96, 64, device=DEVICE).to(torch.bfloat16)
-    fused = ops.rms_norm_gemm(x, residual, gamma, 1e-6, weight, None, True)
-    assert not calls
-    kernel_variants.separate_norms()
-    separate = ops.rms_norm_gemm(x, residual, gamma, 1e-6, weight, None, True)
-    assert calls == [(3, 64)], "the add-and-norm ran as its own operation"
-    torch.testing.assert_close(separate[1], fused[1])
-    torch.testing.assert_close(separate[0].float(), fused[0].float(), rtol=3e-2, atol=0.5)
 
 
 def test_long_decode_splits_and_prefetch_and_pdl_switches(restore):

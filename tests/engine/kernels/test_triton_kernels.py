@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from engine.kernels.attention import CommonAttentionMetadata  # noqa: E402
-from engine.kernels.registry import OPS, unfused_rms_norm_gemm  # noqa: E402
+from engine.kernels.registry import OPS  # noqa: E402
 from engine.kernels.sampling import SamplingTensors  # noqa: E402
 from engine.kernels.torch import ops as reference  # noqa: E402
 from engine.kernels.torch.attention import TorchAttentionBackend  # noqa: E402
@@ -269,69 +269,6 @@ def test_gemm_float32_returns_the_unrounded_float32_product(dtype):
     skinny = gemv.skinny_gemm(x[:3], weight, out_dtype=torch.float32)
     assert skinny.dtype == torch.float32
     assert float((skinny.double() - exact[:3]).abs().max() / exact.abs().max()) < 1e-5
-
-
-RMS_NORM_GEMM_REFERENCE = unfused_rms_norm_gemm(reference.rms_norm, reference.fused_add_rms_norm, reference.gemm,
-                                               reference.gated_gemm)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("residual_kind", ["none", "same", "float32-x"])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("rows,n,k", [(1, 70, 300), (5, 64, 512), (16, 36, 257)])
-def test_norm_prologue_gemm_matches_norm_then_gemm(dtype, residual_kind, gated, rows, n, k):
-    """RMSNorm (with or without the residual add, x in the activations' dtype or a float32 row-parallel sum)
-    in the skinny GEMM's prologue against the separate norm and GEMM, for shapes that are not multiples of the
-    tiles; the residual stream it writes is exactly the separate add's."""
-    if ON_GPU:
-        n, k = n * 64, k * 16
-    x = randn(rows, k, dtype=torch.float32 if residual_kind == "float32-x" else dtype)
-    residual = None if residual_kind == "none" else randn(rows, k, dtype=dtype)
-    gamma, weight = (1 + 0.1 * randn(k)).to(dtype), randn(2 * n if gated else n, k, dtype=dtype)
-    bias = randn(weight.shape[0], dtype=dtype) if rows == 5 else None
-    expected, expected_residual = RMS_NORM_GEMM_REFERENCE(x.double() if residual is None else x, residual,
-                                                          gamma, 1e-5, weight.double() if residual is None else weight,
-                                                          None if bias is None else bias.double() if residual is None else bias,
-                                                          gated)
-    for config in (dict(block_n=32, block_k=128, num_stages=2), dict(block_n=16, block_k=64, num_stages=2), {}):
-        residual_out = x if residual is None else torch.empty(rows, k, dtype=dtype, device=DEVICE)
-        actual = gemv.skinny_gemm(x, weight, bias, **config, gated=gated,
-                                  norm=gemv.NormPrologue(gamma, 1e-5, residual, residual_out))
-        assert actual.shape == (rows, n) and actual.dtype == dtype
-        assert_close_to_scale(actual, expected, dtype)
-        if residual is not None:
-            assert_close_to_scale(residual_out, expected_residual, dtype)
-            if ON_GPU:  # the same roundings (the interpreter truncates float32 -> half instead)
-                torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
-
-
-def test_rms_norm_gemm_op_fuses_at_decode_sizes_only(monkeypatch):
-    """The op runs the fused kernel for decode-sized half-precision batches on a GPU (here forced on CPU
-    under the interpreter) and the norm kernel then the GEMM otherwise; both give the reference's results,
-    and neither changes its inputs."""
-    launches = []
-    real = gemv.skinny_gemm
-
-    def recording(*args, norm=None, **kwargs):
-        launches.append(norm is not None)
-        return real(*args, norm=norm, **kwargs)
-    monkeypatch.setattr(gemv, "skinny_gemm", recording)
-    if not ON_GPU:
-        monkeypatch.setattr(gemv, "_decode_sized", lambda x, weight: x.numel() // x.shape[-1] <= gemv.MAX_ROWS)
-    dtype, (k, n) = torch.bfloat16, ((4096, 1536) if ON_GPU else (96, 40))
-    gamma, weight = (1 + 0.1 * randn(k)).to(dtype), randn(2 * n, k, dtype=dtype)
-    for rows, fused in ((3, True), (40, False)):
-        for residual in (None, randn(rows, k, dtype=dtype)):
-            x = randn(rows, k, dtype=dtype)
-            inputs = (x.clone(), None if residual is None else residual.clone())
-            launches.clear()
-            actual, new_residual = gemv.rms_norm_gemm(x, residual, gamma, 1e-6, weight, None, True)
-            expected, expected_residual = RMS_NORM_GEMM_REFERENCE(x, residual, gamma, 1e-6, weight, None, True)
-            assert (True in launches) == fused
-            assert actual.shape == (rows, n)
-            assert_close_to_scale(actual, expected, dtype)
-            assert_close_to_scale(new_residual, expected_residual, dtype)
-            assert torch.equal(x, inputs[0]) and (residual is None or torch.equal(residual, inputs[1]))
 
 
 def test_gemm_op_takes_the_blas_for_large_batches_and_fp32():
