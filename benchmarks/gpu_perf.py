@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import environment_record, print_table
 from benchmarks.device_limits import device_limits
-from benchmarks.kernel_variants import KERNEL_VARIANTS, OPS_TABLE_VARIANTS
+from benchmarks.kernel_variants import KERNEL_VARIANTS, restore, snapshot
 
 DEFAULT_MODEL = "benchmarks/configs/llama-3.1-8b"
 NUM_REQUESTS, PROMPT_RANGE, OUTPUT_RANGE = 512, (128, 1024), (64, 512)
@@ -102,22 +102,21 @@ def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants
     results["graph_tokens_equal_eager"] = tokens == greedy_tokens()
     runner.graphs = graphs
     if alternate:
-        # The current kernels and the variants' (all patches of the ops table, so undone by restoring it) in
-        # turn, graphs re-captured each time: the same engine and GPU state, alternating, so drift between
-        # the two shows as spread rather than as a difference.
-        from engine.kernels import ops
-        current = dict(ops.__dict__)
+        # The current kernels and the variants' in turn, graphs re-captured each time (every patch point is
+        # restored in between): the same engine and GPU state, alternating, so drift between the two shows
+        # as spread rather than as a difference.
+        current = snapshot()
         for name in ("current", "variants"):
             results[f"alternating {name}"] = []
         for _ in range(alternate):
             for name in ("current", "variants"):
-                ops.__dict__.update(current)
+                restore(current)
                 if name == "variants":
                     for variant in variants:
                         KERNEL_VARIANTS[variant]()
                 graphs.capture()
                 results[f"alternating {name}"].append(rate())
-        ops.__dict__.update(current)
+        restore(current)
         graphs.capture()
     for variant in variants:  # earlier kernel sequences, re-captured into fresh graphs of the same engine
         KERNEL_VARIANTS[variant]()
@@ -170,8 +169,6 @@ def latency(args) -> dict:
     mean_context = 128 + new_tokens / 2
     step_bytes = facts["weight_bytes_per_step"] + facts["kv_bytes_per_token"] * mean_context
     roofline = limits["bandwidth_GBps"] * 1e9 / step_bytes
-    if args.alternate and not set(args.variant) <= OPS_TABLE_VARIANTS:
-        raise SystemExit(f"--alternate takes only variants that patch the ops table: {sorted(OPS_TABLE_VARIANTS)}")
     ours = engine_decode_rates(args.model, prompt, new_tokens, tuple(args.variant), args.alternate)
     hf = hf_decode_rate(args.model, prompt, new_tokens) if not args.skip_hf else None
     rows = []
@@ -341,8 +338,7 @@ def main() -> None:
                         help="latency, throughput: also time this earlier kernel sequence in the same run (repeatable, "
                              "cumulative)")
     parser.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
-                        help="latency: also time the current kernels and the variants together in turn, ROUNDS each "
-                             "(variants that patch the ops table only)")
+                        help="latency: also time the current kernels and the variants together in turn, ROUNDS each")
     parser.add_argument("--num-requests", type=int, default=None, help="hf-throughput: only the first N requests; throughput: also time the engine on them")
     args = parser.parse_args()
     try:

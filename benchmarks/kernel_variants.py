@@ -1,6 +1,7 @@
 """Earlier kernel sequences of the triton backend, re-applied to a running engine for before/after
 timings in one run (`benchmarks/gpu_perf.py --variant ...`). Each patch undoes one change; applied in
-order they are cumulative, and the engine's CUDA graphs must be captured again afterwards."""
+order they are cumulative, and the engine's CUDA graphs must be captured again afterwards. `snapshot` and
+`restore` put the current kernels back (`gpu_perf --alternate`)."""
 from __future__ import annotations
 
 
@@ -79,12 +80,56 @@ def blas_gemm() -> None:
     ops.gemm = gemm
 
 
+def plan_length_splits() -> None:
+    """Decode splits as long as the plan's (made for the longest context a launch may see: for a CUDA graph,
+    max_model_len) for every sequence, as before each sequence spread its own context over the splits: a
+    short context in a graph replay then walked a few multi-tile splits instead of many one-tile ones."""
+    from engine.kernels.triton import decode_attention
+    plan = decode_attention.decode_plan
+
+    def decode_plan(metadata, num_kv_heads, block_n):
+        num_splits, _ = plan(metadata, num_kv_heads, block_n)
+        num_tiles = -(-metadata.max_decode_seq_len // block_n)
+        return num_splits, -(-num_tiles // num_splits)  # the plan's split length as every sequence's minimum
+    decode_attention.decode_plan = decode_plan
+
+
+def snapshot() -> dict:
+    """Everything a variant patches, to put back with `restore` (`gpu_perf --alternate`)."""
+    import inspect
+    import os
+
+    from engine.kernels import ops
+    from engine.kernels.triton import decode_attention, gemv
+    from engine.kernels.triton.attention import TritonAttentionBackend
+    return {"ops": dict(ops.__dict__), "pdl": os.environ.get("ATOM_RAY_TRITON_PDL"),
+            "attrs": [(obj, name, inspect.getattr_static(obj, name))
+                      for obj, name in ((decode_attention, "decode_plan"), (decode_attention, "FUSED_DECODE"),
+                                        (gemv, "PREFETCH_BYTES_PER_ROW"), (TritonAttentionBackend, "forward"),
+                                        (TritonAttentionBackend, "build_metadata"))]}
+
+
+def restore(state: dict) -> None:
+    import os
+
+    from engine.kernels import ops
+    from engine.kernels.triton import pdl
+    ops.__dict__.clear()
+    ops.__dict__.update(state["ops"])
+    for obj, name, value in state["attrs"]:
+        setattr(obj, name, value)
+    if state["pdl"] is None:
+        os.environ.pop("ATOM_RAY_TRITON_PDL", None)
+    else:
+        os.environ["ATOM_RAY_TRITON_PDL"] = state["pdl"]
+    pdl._supported.cache_clear()
+
+
 # Applied cumulatively in the order given, each re-timed: e.g. `--variant unfused-rope --variant
 # long-decode-splits` ends at the kernel sequence before both changes.
-KERNEL_VARIANTS = {"l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
+KERNEL_VARIANTS = {"plan-length-splits": plan_length_splits,
+                   "l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
                    "separate-silu-and-mul": separate_silu_and_mul,
                    "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
                    "separate-decode-kernels": separate_decode_kernels, "unfused-rope": unfused_rope,
                    "long-decode-splits": long_decode_splits}
-# Variants that only replace operations of the ops table (undone by restoring it: `gpu_perf --alternate`).
-OPS_TABLE_VARIANTS = {"separate-silu-and-mul", "blas-gemm"}

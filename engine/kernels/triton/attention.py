@@ -30,7 +30,7 @@ class TritonAttentionMetadata(CommonAttentionMetadata):
     max_decode_seq_len: int = 0
     num_sms: int = 1  # streaming multiprocessors (compute units): split-K aims to fill them
     min_split_tokens: int = 64  # a decode split never covers fewer context tokens than this (one tile)
-    # (num_kv_heads, block_n) -> (num_splits, tiles_per_split); filled by the first layer of a step.
+    # (num_kv_heads, block_n) -> (num_splits, min_tiles_per_split); filled by the first layer of a step.
     _decode_plans: dict = field(default_factory=dict, repr=False)
 
 

@@ -49,8 +49,17 @@ def _attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, 
 
 
 @triton.jit
+def _tiles_per_split(num_tiles, num_splits, min_tiles_per_split):
+    """Each sequence's own split length: its context spread over the planned splits, but no split shorter
+    than the minimum. The plan's split count comes from the longest context the launch may see (for a CUDA
+    graph, the model's whole length); a shorter context gets shorter splits, so its few tiles still go to
+    many programs, and a graph replay groups the partial sums as an eager step of that length would."""
+    return tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles_per_split)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                   seq_lens_ptr, block_table_ptr, num_kv_heads, tiles_per_split, num_splits,
+                   seq_lens_ptr, block_table_ptr, num_kv_heads, min_tiles_per_split, num_splits,
                    sq_t, sq_h, so_t, so_h, stride_bt, scale_log2,
                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
@@ -61,8 +70,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = _tiles_per_split(num_tiles, num_splits, min_tiles_per_split)
     tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(seq_len, BLOCK_N))
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     if tile_begin >= tile_end:  # this split lies past the end of a shorter context
         return
     # All query heads that share this KV head are one [G_PAD, D] tile: K and V are read once for them.
@@ -86,7 +97,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_
 
 
 @triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_heads, tiles_per_split,
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_heads, min_tiles_per_split,
                           num_splits, so_t, so_h,
                           HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                           BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
@@ -95,7 +106,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tiles_per_split)  # splits that saw any of this context
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    used = tl.cdiv(num_tiles, _tiles_per_split(num_tiles, num_splits, min_tiles_per_split))  # splits with work
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, D_PAD)[None, :]
     part = (seq * num_heads + head) * num_splits + splits
@@ -145,7 +157,7 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, first_head, used, num_splits,
 @triton.jit
 def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr,
                          table_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
-                         num_kv_heads, tiles_per_split, num_splits,
+                         num_kv_heads, min_tiles_per_split, num_splits,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, stride_bt, stride_table, scale_log2,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
@@ -160,6 +172,7 @@ def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cach
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = _tiles_per_split(num_tiles, num_splits, min_tiles_per_split)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     if tile_begin >= tile_end:  # this split lies past the end of a shorter context
@@ -195,7 +208,7 @@ def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cach
     if SINGLE_SPLIT:
         tl.store(out_rows, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        used = tl.cdiv(num_tiles, tiles_per_split)  # splits with work: a short context in a long plan has one
+        used = tl.cdiv(num_tiles, tiles_per_split)  # splits with work
         if used == 1:
             tl.store(out_rows, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
         else:
@@ -224,8 +237,9 @@ def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cach
 # ---- launchers ----------------------------------------------------------------------------------------
 
 def decode_plan(metadata, num_kv_heads: int, block_n: int) -> tuple[int, int]:
-    """(num_splits, tiles_per_split) for this step's decodes: enough programs to fill the GPU twice over,
-    but no split shorter than `min_split_tokens`."""
+    """(num_splits, min_tiles_per_split) for this step's decodes: enough programs to fill the GPU twice over
+    at the longest context, but no split shorter than `min_split_tokens`. Each sequence then spreads its own
+    context over the splits on the device (`_tiles_per_split`)."""
     key = (num_kv_heads, block_n)
     plan = metadata._decode_plans.get(key)
     if plan is None:
@@ -233,8 +247,9 @@ def decode_plan(metadata, num_kv_heads: int, block_n: int) -> tuple[int, int]:
         wanted = triton.cdiv(2 * metadata.num_sms, metadata.num_decodes * num_kv_heads)
         by_length = triton.cdiv(metadata.max_decode_seq_len, metadata.min_split_tokens)
         splits = max(1, min(wanted, by_length, _MAX_SPLITS, num_tiles))
-        tiles_per_split = triton.cdiv(num_tiles, splits)
-        plan = metadata._decode_plans[key] = (triton.cdiv(num_tiles, tiles_per_split), tiles_per_split)
+        min_tiles = triton.cdiv(metadata.min_split_tokens, block_n)
+        tiles_per_split = max(triton.cdiv(num_tiles, splits), min_tiles)
+        plan = metadata._decode_plans[key] = (triton.cdiv(num_tiles, tiles_per_split), min_tiles)
     return plan
 
 
@@ -270,7 +285,7 @@ def decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_siz
     reduction of the splits as a second kernel."""
     num_decodes = metadata.num_decodes
     num_heads = num_kv_heads * group
-    num_splits, tiles_per_split = decode_plan(metadata, num_kv_heads, block_n)
+    num_splits, min_tiles = decode_plan(metadata, num_kv_heads, block_n)
     single = num_splits == 1
     if single:
         part_acc = part_ml = out  # unused
@@ -278,14 +293,14 @@ def decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_siz
         part_acc, part_ml = _partials(num_decodes, num_heads, num_splits, head_size, query.device)
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_ml, metadata.seq_lens, metadata.block_table,
-        num_kv_heads, tiles_per_split, num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        num_kv_heads, min_tiles, num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         metadata.block_table.stride(0), scale_log2,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size, D_PAD=d_pad,
         BLOCK_N=block_n, PAGE_SIZE=block_size, SINGLE_SPLIT=single, UPCAST=upcast, num_warps=num_warps,
         num_stages=num_stages, **pdl.launch_options(query))
     if not single:
         _decode_reduce_kernel[(num_decodes, num_heads)](
-            part_acc, part_ml, out, metadata.seq_lens, num_heads, tiles_per_split, num_splits,
+            part_acc, part_ml, out, metadata.seq_lens, num_heads, min_tiles, num_splits,
             out.stride(0), out.stride(1),
             HEAD_SIZE=head_size, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
             num_warps=4, **pdl.launch_options(out))
@@ -300,7 +315,7 @@ def fused_decode(query, key, value, k_cache, v_cache, out, metadata, rope, group
     assert rotary_dim % 2 == 0 and rotary_dim <= head_size, (rotary_dim, head_size)
     table = table.contiguous()
     num_decodes, num_kv_heads = metadata.num_decodes, key.shape[1]
-    num_splits, tiles_per_split = decode_plan(metadata, num_kv_heads, block_n)
+    num_splits, min_tiles = decode_plan(metadata, num_kv_heads, block_n)
     single = num_splits == 1
     group_pad = triton.next_power_of_2(group)
     if single:
@@ -313,7 +328,7 @@ def fused_decode(query, key, value, k_cache, v_cache, out, metadata, rope, group
     _fused_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         positions.contiguous(), query, key, value, k_cache, v_cache, out, metadata.slot_mapping, table,
         metadata.seq_lens, metadata.block_table, part_acc, part_ml, counters,
-        num_kv_heads, tiles_per_split, num_splits, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        num_kv_heads, min_tiles, num_splits, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
         table.stride(0), scale_log2,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), GROUP_PAD=group_pad, HEAD_SIZE=head_size,

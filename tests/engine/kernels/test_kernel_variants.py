@@ -26,6 +26,7 @@ def restore(monkeypatch):
         monkeypatch.setattr(TritonAttentionBackend, name, inspect.getattr_static(TritonAttentionBackend, name))
     monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW", gemv.PREFETCH_BYTES_PER_ROW)
     monkeypatch.setattr(decode_attention, "FUSED_DECODE", decode_attention.FUSED_DECODE)
+    monkeypatch.setattr(decode_attention, "decode_plan", decode_attention.decode_plan)
     for name in ("gemm", "gated_gemm"):
         monkeypatch.setattr(ops, name, getattr(ops, name))
     monkeypatch.setenv("ATOM_RAY_TRITON_PDL", "1")
@@ -125,3 +126,32 @@ def test_long_decode_splits_and_prefetch_and_pdl_switches(restore):
         assert pdl.launch_options(torch.zeros(1, device="cuda")) == {"USE_PDL": False}
     assert set(kernel_variants.KERNEL_VARIANTS) >= {"pdl-off", "blas-gemm", "unfused-rope", "long-decode-splits",
                                                       "separate-silu-and-mul", "separate-decode-kernels"}
+
+
+def test_plan_length_splits_give_every_sequence_the_plans_split_length(restore):
+    """A plan made for a 4096-token context: each sequence now spreads its own context over the splits
+    (minimum one tile); the variant makes the plan's split length every sequence's minimum again."""
+    common = dataclasses.replace(one_prefill(), num_decodes=1, max_seq_len=4096, seq_lens_cpu=[4096])
+    metadata = dataclasses.replace(TritonAttentionBackend.build_metadata(common, 16), num_sms=64, min_split_tokens=16)
+    assert metadata.max_decode_seq_len == 4096
+    num_splits, min_tiles = decode_attention.decode_plan(metadata, 8, 64)
+    plan_length = -(-4096 // 64 // num_splits)
+    assert min_tiles == 1 and plan_length > 1
+    kernel_variants.plan_length_splits()
+    assert decode_attention.decode_plan(dataclasses.replace(metadata, _decode_plans={}), 8, 64) == (num_splits, plan_length)
+
+
+def test_restore_undoes_every_variant(restore):
+    """`gpu_perf --alternate` puts the current kernels back between variant runs."""
+    import os
+    state = kernel_variants.snapshot()
+    before = (dict(ops.__dict__), decode_attention.decode_plan, decode_attention.FUSED_DECODE,
+              gemv.PREFETCH_BYTES_PER_ROW, inspect.getattr_static(TritonAttentionBackend, "forward"),
+              inspect.getattr_static(TritonAttentionBackend, "build_metadata"), os.environ.get("ATOM_RAY_TRITON_PDL"))
+    for apply in kernel_variants.KERNEL_VARIANTS.values():
+        apply()
+    kernel_variants.restore(state)
+    after = (dict(ops.__dict__), decode_attention.decode_plan, decode_attention.FUSED_DECODE,
+             gemv.PREFETCH_BYTES_PER_ROW, inspect.getattr_static(TritonAttentionBackend, "forward"),
+             inspect.getattr_static(TritonAttentionBackend, "build_metadata"), os.environ.get("ATOM_RAY_TRITON_PDL"))
+    assert after == before

@@ -24,6 +24,7 @@ from engine.kernels.torch.attention import TorchAttentionBackend  # noqa: E402
 from engine.kernels.torch.sampling import apply_top_k_top_p_min_p  # noqa: E402
 from engine.kernels.torch.sampling import sample as reference_sample  # noqa: E402
 from engine.kernels import triton as triton_backend  # noqa: E402
+from engine.kernels.triton import attention as triton_attention  # noqa: E402
 from engine.kernels.triton import decode_attention, gemv, ops  # noqa: E402
 from engine.kernels.triton.attention import TritonAttentionBackend  # noqa: E402
 from engine.kernels.triton.sampling import sample  # noqa: E402
@@ -526,6 +527,39 @@ def test_fused_decode_of_a_graph_step_with_padding_rows(monkeypatch):
                                              0.1, block_size, (positions[:3], table, is_neox))
     assert_matches(fused_cache, expected_cache, torch.float32)
     assert_matches(fused[:3], expected, torch.float32)
+
+
+def test_each_context_spreads_over_the_splits_of_a_plan_for_a_longer_one(monkeypatch):
+    """A plan made for the longest possible context (a CUDA graph's) gives a short context as many one-tile
+    splits as it has tiles, as an eager plan for that context would, rather than the plan's longer splits;
+    the separate split-K kernels and the fused one agree with the reference either way."""
+    seqs, block_size = [40, 200, 17], 16
+    common, query, key, value, cache, rope_args = decode_step(seqs, 8, 2, 64, block_size, torch.float32, (64, True))
+    graph_plan = dataclasses.replace(TritonAttentionBackend.build_metadata(as_graph_step(common, 0, 4096), block_size),
+                                     num_sms=64, min_split_tokens=16)
+    tile = triton_attention._tile_sizes(64, 4)[1]
+    tiles = [-(-(n + 1) // tile) for n in seqs]  # the context after this step's token, in decode tiles
+    written = []
+    real_partials = decode_attention._partials
+
+    def partials(*args):
+        acc, ml = real_partials(*args)
+        ml.fill_(float("nan"))
+        written.append(ml)
+        return acc, ml
+    monkeypatch.setattr(decode_attention, "_partials", partials)
+    separate, _ = triton_decode(monkeypatch, False, graph_plan, query, key, value, cache, rope_args, block_size)
+    num_splits = next(iter(graph_plan._decode_plans.values()))[0]
+    assert max(tiles) < num_splits < 4096 // tile, "the plan's splits are several tiles long"
+    splits_used = (~written[0][..., 0].isnan()).sum(dim=-1)  # [sequence, head]
+    assert splits_used.tolist() == [[t] * 8 for t in tiles]
+    fused, _ = triton_decode(monkeypatch, True, dataclasses.replace(graph_plan, _decode_plans={}), query, key, value,
+                             cache, rope_args, block_size)
+    expected_cache = cache.clone()
+    expected = TorchAttentionBackend.forward(query.clone(), key.clone(), value, expected_cache, common, 0.1,
+                                             block_size, rope_args)
+    assert_matches(separate, expected, torch.float32)
+    assert_matches(fused, expected, torch.float32)
 
 
 def test_decode_only_and_prefill_only_batches():
