@@ -46,6 +46,14 @@ def l2_prefetch(bytes_per_row: int):
     return apply
 
 
+def l2_prefetch_budget(total_bytes: int):
+    def apply() -> None:
+        """The skinny GEMM prefetching a fixed amount per launch, spread over its weight rows (a probe)."""
+        from engine.kernels.triton import gemv
+        gemv.PREFETCH_BUDGET_BYTES = total_bytes
+    return apply
+
+
 def no_l2_prefetch() -> None:
     """The skinny GEMM without its weight prefetch into L2 ahead of the previous kernel's end."""
     from engine.kernels.triton import gemv
@@ -105,7 +113,8 @@ def snapshot() -> dict:
     return {"ops": dict(ops.__dict__), "pdl": os.environ.get("ATOM_RAY_TRITON_PDL"),
             "attrs": [(obj, name, inspect.getattr_static(obj, name))
                       for obj, name in ((decode_attention, "decode_plan"), (decode_attention, "FUSED_DECODE"),
-                                        (gemv, "PREFETCH_BYTES_PER_ROW"), (TritonAttentionBackend, "forward"),
+                                        (gemv, "PREFETCH_BYTES_PER_ROW"), (gemv, "PREFETCH_BUDGET_BYTES"),
+                                        (TritonAttentionBackend, "forward"),
                                         (TritonAttentionBackend, "build_metadata"))]}
 
 
@@ -128,7 +137,10 @@ def restore(state: dict) -> None:
 # Applied cumulatively in the order given, each re-timed: e.g. `--variant unfused-rope --variant
 # long-decode-splits` ends at the kernel sequence before both changes.
 KERNEL_VARIANTS = {"plan-length-splits": plan_length_splits,
-                   "l2-prefetch-4k": l2_prefetch(4096), "l2-prefetch-8k": l2_prefetch(8192),
+                   "l2-prefetch-2k": l2_prefetch(2048), "l2-prefetch-4k": l2_prefetch(4096),
+                   "l2-prefetch-8k": l2_prefetch(8192), "l2-budget-8m": l2_prefetch_budget(8 << 20),
+                   "l2-budget-16m": l2_prefetch_budget(16 << 20), "l2-budget-32m": l2_prefetch_budget(32 << 20),
+                   "l2-per-row": l2_prefetch_budget(None),
                    "separate-silu-and-mul": separate_silu_and_mul,
                    "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
                    "separate-decode-kernels": separate_decode_kernels, "unfused-rope": unfused_rope,

@@ -80,6 +80,16 @@ MAX_ROWS = 16  # the kernel takes up to 128 rows; the backend uses it where it m
 # Under programmatic dependent launch, each program prefetches this much of each of its weight rows into L2
 # before waiting for the previous kernel (0: off).
 PREFETCH_BYTES_PER_ROW = 2048
+# When set: a budget for the whole launch instead, spread over its weight rows (a power-of-two number of
+# 128-byte lines per row, at most the row): thin projections prefetch more of each row, wide ones less.
+PREFETCH_BUDGET_BYTES: int | None = None
+
+
+def prefetch_lines(n: int, k: int, element_size: int) -> int:
+    """128-byte lines of each weight row that a program prefetches into L2 before its wait (0: none)."""
+    per_row = PREFETCH_BYTES_PER_ROW if PREFETCH_BUDGET_BYTES is None else PREFETCH_BUDGET_BYTES // n
+    lines = min(per_row, k * element_size) // 128
+    return triton.next_power_of_2(lines + 1) // 2 if lines > 0 else 0  # the largest power of two <= lines
 
 
 def _candidate_tiles(n: int, k: int, element_size: int):
@@ -144,7 +154,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=x.dtype != torch.float32 and x.device.type == "cpu",
-        num_stages=num_stages, num_warps=num_warps, PREFETCH_LINES=PREFETCH_BYTES_PER_ROW // 128,
+        num_stages=num_stages, num_warps=num_warps, PREFETCH_LINES=prefetch_lines(n, k, weight.element_size()),
         LINE=128 // weight.element_size(), **pdl.launch_options(out))
     return out.view(*x.shape[:-1], n_out)
 

@@ -25,6 +25,7 @@ def restore(monkeypatch):
     for name in ("forward", "build_metadata"):
         monkeypatch.setattr(TritonAttentionBackend, name, inspect.getattr_static(TritonAttentionBackend, name))
     monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW", gemv.PREFETCH_BYTES_PER_ROW)
+    monkeypatch.setattr(gemv, "PREFETCH_BUDGET_BYTES", gemv.PREFETCH_BUDGET_BYTES)
     monkeypatch.setattr(decode_attention, "FUSED_DECODE", decode_attention.FUSED_DECODE)
     monkeypatch.setattr(decode_attention, "decode_plan", decode_attention.decode_plan)
     for name in ("gemm", "gated_gemm"):
@@ -119,8 +120,13 @@ def test_separate_silu_and_mul_gives_the_fused_result_through_separate_ops(resto
 def test_long_decode_splits_and_prefetch_and_pdl_switches(restore):
     kernel_variants.long_decode_splits()
     assert TritonAttentionBackend.build_metadata(one_prefill(), 16).min_split_tokens == 256
+    kernel_variants.KERNEL_VARIANTS["l2-budget-16m"]()
+    assert [gemv.prefetch_lines(n, 4096, 2) * 128 for n in (4096, 6144, 28672)] == [4096, 2048, 512]
+    kernel_variants.KERNEL_VARIANTS["l2-per-row"]()
+    assert gemv.prefetch_lines(28672, 4096, 2) * 128 == gemv.PREFETCH_BYTES_PER_ROW
+    assert gemv.prefetch_lines(64, 32, 2) == 0, "never more than the row, here under one line"
     kernel_variants.no_l2_prefetch()
-    assert gemv.PREFETCH_BYTES_PER_ROW == 0
+    assert gemv.PREFETCH_BYTES_PER_ROW == 0 and gemv.prefetch_lines(4096, 4096, 2) == 0
     kernel_variants.pdl_off()
     if DEVICE == "cuda":
         assert pdl.launch_options(torch.zeros(1, device="cuda")) == {"USE_PDL": False}
