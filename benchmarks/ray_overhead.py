@@ -114,25 +114,24 @@ def http_stream(client, model: str):
     return stream
 
 
-def http_idle_ttft(base_url: str, model: str, prompt: str, bare_once, rounds: int) -> dict:
+def with_http_client(base_url: str, work):
+    """asyncio.run of work(client) with a fresh light HTTP client."""
     import httpx
 
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-            return await interleaved_idle_ttft(http_one_token(client, model, prompt), bare_once, rounds)
+            return await work(client)
     return asyncio.run(run())
+
+
+def http_idle_ttft(base_url: str, model: str, prompt: str, bare_once, rounds: int) -> dict:
+    return with_http_client(base_url, lambda client: interleaved_idle_ttft(http_one_token(client, model, prompt),
+                                                                           bare_once, rounds))
 
 
 def http_path(base_url: str, model: str):
     """Runs of HTTP streaming workloads, each with a fresh light client."""
-    import httpx
-
-    def with_client(work):
-        async def run():
-            async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-                return await work(http_stream(client, model))
-        return asyncio.run(run())
-    return with_client
+    return lambda work: with_http_client(base_url, lambda client: work(http_stream(client, model)))
 
 
 def prefill_seconds(metrics) -> float:
