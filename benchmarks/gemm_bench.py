@@ -7,6 +7,8 @@ CUDA graph) so that, as in a real decode step, no weight is served from L2.
 
     python -m benchmarks.gemm_bench --out gemm.json [--model benchmarks/configs/llama-3.1-8b] [--tp 1]
     python -m benchmarks.gemm_bench --layer-chain --out chain.json   # layers' GEMMs in order, SiLU fused or not
+    python -m benchmarks.gemm_bench --split-sweep --rows 1 --out split.json          # split-K per projection
+    python -m benchmarks.gemm_bench --layer-chain --tile-rules engine,k512-s4 --out c.json  # tile rules, chained
 """
 from __future__ import annotations
 
@@ -78,10 +80,35 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() / (us * 1e-6) / 1e9
 
 
-def layer_chain_rows(config: dict, tp: int, rows: list[int], layers: int = 4) -> list[dict]:
+# Split-K sweep (`--split-sweep`): the engine's output-tile width with K tiles, pipeline depths and splits.
+CONFIGS_SPLIT = [dict(block_n=32, block_k=bk, num_stages=st, num_warps=4, split=sp)
+                 for bk, st, sp in itertools.product((256, 512), (3, 4, 5), (1, 2, 3, 4, 8))]
+
+
+def _tiles(block_k: int, stages: int, split: int = 1) -> dict:
+    return dict(block_n=32, block_k=block_k, num_stages=stages, num_warps=4, split=split)
+
+
+# `--tile-rules`: the layer's four GEMMs with these tiles (name -> projection -> skinny_gemm keywords;
+# {} = the engine's own choice, whatever it is at the time).
+TILE_RULES = {
+    "engine": {},  # thin-k256-s5 is the rule the engine had on 2026-11-23
+    "k512-s4": {name: _tiles(512, 4) for name in ("qkv", "o", "gate_up", "down")},
+    "k512-s4+qkv-split2": {"qkv": _tiles(256, 4, 2), "o": _tiles(512, 4), "gate_up": _tiles(512, 4),
+                             "down": _tiles(512, 4)},
+    "k256-s4": {name: _tiles(256, 4) for name in ("qkv", "o", "gate_up", "down")},
+    "k512-s3": {name: _tiles(512, 3) for name in ("qkv", "o", "gate_up", "down")},
+    "thin-k256-s5": {"qkv": _tiles(256, 5), "o": _tiles(256, 5), "gate_up": _tiles(512, 4),
+                                 "down": _tiles(512, 4)},
+}
+
+
+def layer_chain_rows(config: dict, tp: int, rows: list[int], layers: int = 4,
+                     tile_rules: list[str] | None = None) -> list[dict]:
     """A decoder layer's GEMMs in order (QKV, O, gate/up, down, with an RMSNorm kernel before QKV and
     gate/up as the gaps), over several layers' weights: with the SiLU-and-mul as its own kernel or in the
-    gate/up GEMM's epilogue."""
+    gate/up GEMM's epilogue; with `tile_rules` (names in TILE_RULES), the fused chain with each rule's tiles
+    instead, interleaved twice (the better time of the two)."""
     from engine.kernels.triton import gemv, ops
     shapes = projection_shapes(config, tp)
     names = ("qkv", "o", "gate_up", "down")
@@ -95,16 +122,23 @@ def layer_chain_rows(config: dict, tp: int, rows: list[int], layers: int = 4) ->
         x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
         attn, act = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for n in (shapes["o"][1], inter))
 
-        def layer_calls(layer, gated):
-            calls = [lambda: ops.rms_norm(x, norm_weight, 1e-5), lambda: gemv.skinny_gemm(x, layer["qkv"]),
-                     lambda: gemv.skinny_gemm(attn, layer["o"]), lambda: ops.rms_norm(x, norm_weight, 1e-5)]
+        def layer_calls(layer, gated, tiles=TILE_RULES["engine"]):
+            def gemm(name, rows, **kw):
+                return lambda: gemv.skinny_gemm(rows, layer[name], **tiles.get(name, {}), **kw)
+            calls = [lambda: ops.rms_norm(x, norm_weight, 1e-5), gemm("qkv", x), gemm("o", attn),
+                     lambda: ops.rms_norm(x, norm_weight, 1e-5)]
             if gated:
-                calls.append(lambda: gemv.skinny_gemm(x, layer["gate_up"], gated=True))
+                calls.append(gemm("gate_up", x, gated=True))
             else:
                 calls.append(lambda: ops.silu_and_mul(gemv.skinny_gemm(x, layer["gate_up"])))
-            return calls + [lambda: gemv.skinny_gemm(act, layer["down"])]
+            return calls + [gemm("down", act)]
         timings = {}
-        for gated in (False, True):
+        for _ in range(2 if tile_rules else 0):
+            for rule in tile_rules:
+                calls = [call for layer in weights for call in layer_calls(layer, True, TILE_RULES[rule])]
+                us = time_calls(calls) * len(calls) / layers
+                timings[rule] = min(us, timings.get(rule, us))
+        for gated in (() if tile_rules else (False, True)):
             calls = [call for layer in weights for call in layer_calls(layer, gated)]
             label = "SiLU-and-mul in the GEMM epilogue" if gated else "SiLU-and-mul kernel"
             timings[label] = time_calls(calls) * len(calls) / layers
@@ -121,6 +155,10 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated projections to run (qkv,o,gate_up,down,lm_head)")
     parser.add_argument("--layer-chain", action="store_true",
                         help="only time decoder layers' GEMM sequences, with the SiLU-and-mul fused or as its own kernel")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="sweep split-K with the engine's tile width (CONFIGS_SPLIT) instead of the tile sweep")
+    parser.add_argument("--tile-rules", default=None,
+                        help=f"with --layer-chain: comma-separated tile rules to compare ({', '.join(TILE_RULES)})")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from engine.kernels.triton.gemv import skinny_gemm
@@ -129,11 +167,11 @@ def main() -> None:
     copy_bw, read_bw = copy_bandwidth_gbps(), read_bandwidth_gbps()
     print(f"copy {copy_bw:.0f} GB/s, read {read_bw:.0f} GB/s, L2 {l2_bytes >> 20} MiB, TP={args.tp}")
     if args.layer_chain:
-        chain = layer_chain_rows(config, args.tp, [int(r) for r in args.rows.split(",")])
-        base = "SiLU-and-mul kernel"
-        print_table(["rows", "variant", "us/layer", "GB/s", "of read bw", "vs separate SiLU-and-mul"],
+        rules = args.tile_rules.split(",") if args.tile_rules else None
+        chain = layer_chain_rows(config, args.tp, [int(r) for r in args.rows.split(",")], tile_rules=rules)
+        print_table(["rows", "variant", "us/layer", "GB/s", "of read bw", "vs the first variant"],
                     [(r["m"], label, f"{us:.1f}", f"{r['gbps'][label]:.0f}", f"{r['gbps'][label] / read_bw:.3f}",
-                      f"{r['us_per_layer'][base] / us:.3f}") for r in chain for label, us in r["us_per_layer"].items()])
+                      f"{next(iter(r['us_per_layer'].values())) / us:.3f}") for r in chain for label, us in r["us_per_layer"].items()])
         Path(args.out).write_text(json.dumps({"environment": environment_record(), "tp": args.tp, "copy_gbps": copy_bw,
                                               "read_gbps": read_bw, "layer_chain": chain}, indent=2))
         return
@@ -149,7 +187,7 @@ def main() -> None:
             expected = F.linear(x, weights[0])
             blas_us = time_calls([lambda w=w: F.linear(x, w) for w in weights])
             best = None
-            for cfg in (CONFIGS if m <= 16 else CONFIGS_MANY_ROWS):
+            for cfg in (CONFIGS_SPLIT if args.split_sweep else CONFIGS if m <= 16 else CONFIGS_MANY_ROWS):
                 try:
                     got = skinny_gemm(x, weights[0], None, **cfg)
                     error = float((got.float() - expected.float()).abs().max() / expected.float().abs().max())

@@ -102,22 +102,25 @@ def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants
     results["graph_tokens_equal_eager"] = tokens == greedy_tokens()
     runner.graphs = graphs
     if alternate:
-        # The current kernels and the variants' in turn, graphs re-captured each time (every patch point is
-        # restored in between): the same engine and GPU state, alternating, so drift between the two shows
-        # as spread rather than as a difference.
+        # The current kernels and each variant alone, in turn, graphs re-captured each time (every patch point
+        # is restored in between): the same engine and GPU state, alternating, so drift shows as spread
+        # rather than as a difference.
         current = snapshot()
-        for name in ("current", "variants"):
+        turns = ("current",) + variants
+        for name in turns:
             results[f"alternating {name}"] = []
         for _ in range(alternate):
-            for name in ("current", "variants"):
+            for name in turns:
                 restore(current)
-                if name == "variants":
-                    for variant in variants:
-                        KERNEL_VARIANTS[variant]()
+                if name != "current":
+                    KERNEL_VARIANTS[name]()
                 graphs.capture()
                 results[f"alternating {name}"].append(rate())
+                if name != "current":
+                    results[f"variant {name} tokens equal default"] = greedy_tokens() == tokens
         restore(current)
         graphs.capture()
+        variants = ()
     for variant in variants:  # earlier kernel sequences, re-captured into fresh graphs of the same engine
         KERNEL_VARIANTS[variant]()
         graphs.capture()
@@ -172,18 +175,19 @@ def latency(args) -> dict:
     ours = engine_decode_rates(args.model, prompt, new_tokens, tuple(args.variant), args.alternate)
     hf = hf_decode_rate(args.model, prompt, new_tokens) if not args.skip_hf else None
     rows = []
-    for variant in ("graphs_and_run_ahead", "graphs_only", "eager") + tuple(f"variant {v}" for v in args.variant):
+    cumulative = () if args.alternate else tuple(f"variant {v}" for v in args.variant)
+    for variant in ("graphs_and_run_ahead", "graphs_only", "eager") + cumulative:
         rate = ours[variant]
         rows.append((f"atom-ray {variant}", f"{rate:.1f}", f"{rate / roofline:.3f}", f"{rate / hf:.2f}x" if hf else "-"))
     if hf:
         rows.append(("transformers generate", f"{hf:.1f}", f"{hf / roofline:.3f}", "1.00x"))
     print_table(["decode b=1", "tok/s", "of roofline", "vs transformers"], rows)
     if args.alternate:
-        current, variant = ours["alternating current"], ours["alternating variants"]
         print_table(["alternating runs", "tok/s each", "median", "of roofline"],
-                    [(name, " / ".join(f"{r:.1f}" for r in runs), f"{statistics.median(runs):.1f}",
-                      f"{statistics.median(runs) / roofline:.3f}")
-                     for name, runs in (("current kernels", current), ("+".join(args.variant), variant))])
+                    [(name, " / ".join(f"{r:.1f}" for r in ours[f"alternating {name}"]),
+                      f"{statistics.median(ours[f'alternating {name}']):.1f}",
+                      f"{statistics.median(ours[f'alternating {name}']) / roofline:.3f}")
+                     for name in ("current", *args.variant)])
     print(f"roofline {roofline:.1f} tok/s = {limits['bandwidth_GBps']:.0f} GB/s / {step_bytes / 1e9:.2f} GB per step")
     return {"limits": limits, "model_facts": facts, "roofline_tok_s": roofline, "bytes_per_step": step_bytes,
             "engine": ours, "hf_tok_s": hf, "prompt_tokens": 128, "new_tokens": new_tokens}
@@ -338,7 +342,8 @@ def main() -> None:
                         help="latency, throughput: also time this earlier kernel sequence in the same run (repeatable, "
                              "cumulative)")
     parser.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
-                        help="latency: also time the current kernels and the variants together in turn, ROUNDS each")
+                        help="latency: time the current kernels and each variant alone in turn, ROUNDS each (instead "
+                             "of the cumulative variant runs)")
     parser.add_argument("--num-requests", type=int, default=None, help="hf-throughput: only the first N requests; throughput: also time the engine on them")
     args = parser.parse_args()
     try:

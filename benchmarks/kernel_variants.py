@@ -54,10 +54,56 @@ def l2_prefetch_budget(total_bytes: int):
     return apply
 
 
+def _patch_preferred_tiles(rule) -> None:
+    """Replace the skinny GEMM's first-choice tiles: rule(n, k, element_size, num_sms, current) -> tiles."""
+    from engine.kernels.triton import gemv
+    current = gemv.preferred_tiles
+    gemv.preferred_tiles = lambda n, k, element_size, num_sms: rule(n, k, element_size, num_sms, current)
+    gemv._fitted.clear()
+
+
+def qkv_split2() -> None:
+    """The skinny GEMM splitting K in two (256-wide tiles, 4 stages) for weights of between one and two
+    programs per multiprocessor (the Llama-3.1-8B QKV projection: 192 on an H100's 132), the rule that
+    won in the layer-chain benchmark but lost in the engine (a probe for other GPUs and shapes)."""
+    def rule(n, k, size, sms, current):
+        return (256, 4, 2) if size == 2 and sms < -(-n // 32) < 2 * sms and k >= 2048 else current(n, k, size, sms)
+    _patch_preferred_tiles(rule)
+
+
+def prefetch_for_shape(n: int, k: int, bytes_per_row: int):
+    def apply() -> None:
+        """The skinny GEMM prefetching this much of each row of an [n, k] weight (a tuning probe: the
+        Llama-3.1-8B O projection follows the attention kernel, whose time could cover more prefetch)."""
+        from engine.kernels.triton import gemv
+        gemv.PREFETCH_BYTES_PER_ROW_FOR = {**gemv.PREFETCH_BYTES_PER_ROW_FOR, (n, k): bytes_per_row}
+    return apply
+
+
+def thin_k256_s5() -> None:
+    """The skinny GEMM's tile rule before 512-wide K tiles four stages deep became the first choice for
+    every shape: 256-wide K tiles five stages deep for the thin projections (K < 8192 and N < 12288), and
+    no split-K."""
+    _patch_preferred_tiles(lambda n, k, size, sms, current: (256, 5, 1) if size == 2 and k < 8192 and n < 12288
+                           else (*current(n, k, size, sms)[:2], 1))
+
+
+def torch_argmax() -> None:
+    """Greedy sampling with torch's argmax (one reduction over the whole vocabulary row), as before the
+    chunked Triton argmax."""
+    from engine.kernels import ops
+    sample = ops.sample
+
+    def greedy_by_torch(logits, t):
+        return logits.argmax(dim=-1) if t.all_greedy else sample(logits, t)
+    ops.sample = greedy_by_torch
+
+
 def no_l2_prefetch() -> None:
     """The skinny GEMM without its weight prefetch into L2 ahead of the previous kernel's end."""
     from engine.kernels.triton import gemv
     gemv.PREFETCH_BYTES_PER_ROW = 0
+    gemv.PREFETCH_BYTES_PER_ROW_FOR = {}
 
 
 def pdl_off() -> None:
@@ -114,6 +160,7 @@ def snapshot() -> dict:
             "attrs": [(obj, name, inspect.getattr_static(obj, name))
                       for obj, name in ((decode_attention, "decode_plan"), (decode_attention, "FUSED_DECODE"),
                                         (gemv, "PREFETCH_BYTES_PER_ROW"), (gemv, "PREFETCH_BUDGET_BYTES"),
+                                        (gemv, "PREFETCH_BYTES_PER_ROW_FOR"), (gemv, "preferred_tiles"),
                                         (TritonAttentionBackend, "forward"),
                                         (TritonAttentionBackend, "build_metadata"))]}
 
@@ -122,11 +169,12 @@ def restore(state: dict) -> None:
     import os
 
     from engine.kernels import ops
-    from engine.kernels.triton import pdl
+    from engine.kernels.triton import gemv, pdl
     ops.__dict__.clear()
     ops.__dict__.update(state["ops"])
     for obj, name, value in state["attrs"]:
         setattr(obj, name, value)
+    gemv._fitted.clear()  # tiles fitted under a variant's rule
     if state["pdl"] is None:
         os.environ.pop("ATOM_RAY_TRITON_PDL", None)
     else:
@@ -140,7 +188,10 @@ KERNEL_VARIANTS = {"plan-length-splits": plan_length_splits,
                    "l2-prefetch-2k": l2_prefetch(2048), "l2-prefetch-4k": l2_prefetch(4096),
                    "l2-prefetch-8k": l2_prefetch(8192), "l2-budget-8m": l2_prefetch_budget(8 << 20),
                    "l2-budget-16m": l2_prefetch_budget(16 << 20), "l2-budget-32m": l2_prefetch_budget(32 << 20),
-                   "l2-per-row": l2_prefetch_budget(None),
+                   "l2-per-row": l2_prefetch_budget(None), "qkv-split2": qkv_split2,
+                   "o-prefetch-4k": prefetch_for_shape(4096, 4096, 4096),
+                   "o-prefetch-8k": prefetch_for_shape(4096, 4096, 8192),
+                   "thin-k256-s5": thin_k256_s5, "torch-argmax": torch_argmax,
                    "separate-silu-and-mul": separate_silu_and_mul,
                    "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
                    "separate-decode-kernels": separate_decode_kernels, "unfused-rope": unfused_rope,

@@ -16,6 +16,48 @@ from benchmarks.common import environment_record, print_table
 from benchmarks.gpu_perf import DEFAULT_MODEL, model_facts
 
 
+# The kernels of the decoder layers (and the LM head's skinny GEMM); everything else a step runs on the GPU
+# (input copies, embedding, sampling, output copy) is listed by `steady_state`.
+LAYER_KERNELS = ("_skinny_gemm_kernel", "_rms_norm_kernel", "_fused_decode_kernel")
+
+
+def steady_state(engine, steps: int = 8) -> dict:
+    """Decode steps as served (CUDA graphs, run-ahead): the time per step, and from a device trace the GPU's
+    idle time between operations and the operations outside the layers' kernels."""
+    import time
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        engine.step()
+    torch.cuda.synchronize()
+    step_us = (time.perf_counter() - start) / 50 * 1e6
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    ops = sorted(((e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda op: op[0])
+    # Steps are told apart by the first RMSNorm after a non-layer operation (the first layer's input norm).
+    idle, other, one_step, busy_until, step_index, previous_layer = 0.0, [], [], None, 0, True
+    for begin, end, name in ops:
+        gap = max(0.0, begin - busy_until) if busy_until is not None else 0.0
+        idle += gap
+        busy_until = end if busy_until is None else max(busy_until, end)
+        is_layer = any(kernel in name for kernel in LAYER_KERNELS)
+        if not is_layer:
+            other.append(end - begin)
+            if step_index == 2:
+                one_step.append({"name": name[:80], "us": end - begin, "gap_before_us": gap})
+        elif not previous_layer and "_rms_norm_kernel" in name:
+            step_index += 1
+        previous_layer = is_layer
+    return {"step_us": step_us, "steps_traced": steps, "idle_us_per_step": idle / steps,
+            "other_busy_us_per_step": sum(other) / steps, "other_ops_per_step": len(other) / steps,
+            "one_step": one_step}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -46,6 +88,8 @@ def main() -> None:
     body_bytes = facts["weight_bytes_per_step"] - engine.source.hf_config.vocab_size * engine.source.hf_config.hidden_size * 2
     body_bytes += args.batch * (args.context + 20) * facts["kv_bytes_per_token"]  # the KV cache read at this context
 
+    steady = steady_state(engine)
+
     runner.graphs = None
     engine._run_ahead = False
     for _ in range(3):
@@ -68,9 +112,15 @@ def main() -> None:
     print(f"eager: {busy_us:.0f} us of kernels per step, {sum(r[1] for r in rows):.0f} launches")
     print(f"graph replay (layers only, weights + KV): {replay_ms * 1000:.0f} us for {body_bytes / 1e9:.2f} GB "
           f"= {body_bytes / replay_ms / 1e6:.0f} GB/s")
+    print(f"steady state (graphs + run-ahead): {steady['step_us']:.0f} us per step, of which the GPU idles "
+          f"{steady['idle_us_per_step']:.1f} us; outside the layers' kernels: "
+          f"{steady['other_busy_us_per_step']:.1f} us busy in {steady['other_ops_per_step']:.0f} operations")
+    print_table(["one step's other operations, in order", "us", "idle before, us"],
+                [(op["name"], f"{op['us']:.1f}", f"{op['gap_before_us']:.1f}") for op in steady["one_step"]])
     if args.out:
         Path(args.out).write_text(json.dumps({
             "environment": environment_record(), "batch": args.batch, "replay_us": replay_ms * 1000,
+            "steady_state": steady,
             "layer_bytes": body_bytes, "eager_kernel_us_per_step": busy_us,
             "kernels": [{"name": n, "launches_per_step": c, "us_per_step": t} for n, c, t in rows]}, indent=2))
 

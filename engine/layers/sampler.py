@@ -45,16 +45,17 @@ def sampling_tensors(batch: SamplingBatch, device: torch.device) -> SamplingTens
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     sampling_rows = [t > 0 for t in temperature]
-
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+    # Two host-to-device copies for the five per-row inputs: the float32 ones, then the int64 ones.
+    floats = torch.tensor([temperature, top_p, min_p], dtype=torch.float32)
+    ints = torch.tensor([top_k, batch.step_seeds], dtype=torch.int64)
+    if device.type == "cuda":
+        floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
     return SamplingTensors(
-        temperature=tensor(temperature, torch.float32),
-        top_k=tensor(top_k, torch.int64),
-        top_p=tensor(top_p, torch.float32),
-        min_p=tensor(min_p, torch.float32),
-        seeds=tensor(batch.step_seeds, torch.int64),
+        temperature=floats[0],
+        top_k=ints[0],
+        top_p=floats[1],
+        min_p=floats[2],
+        seeds=ints[1],
         seeds_cpu=batch.step_seeds,
         all_greedy=not any(sampling_rows),
         any_top_k=any(k > 0 and s for k, s in zip(top_k, sampling_rows)),

@@ -1,6 +1,6 @@
 """Decode CUDA graphs: the model's forward pass captured once per batch size over fixed-address input
-buffers. A decode-only step of B sequences copies its inputs into the buffers, pads to the smallest
-captured size >= B, and replays; larger or mixed batches run eagerly.
+buffers. A decode-only step of B sequences pads to the smallest captured size >= B, copies its inputs into
+that size's buffers and replays; larger or mixed batches run eagerly.
 
 Attention metadata is captured at the longest possible context (max_model_len), so backends that size
 launch grids from the context (split-K decode) bake in a grid that covers every later step; shorter
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.forward_context import forward_context
 from engine.kernels.attention import CommonAttentionMetadata
+from engine.runner.input_batch import HostInputs
 
 logger = logging.getLogger(__name__)
 
@@ -24,27 +26,47 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """Each captured size B has its own fixed-address inputs, laid out so that a step's inputs reach them in
+    two host-to-device copies: int64 [4, B] (input ids, positions, slot mapping, and the row of the previous
+    step's samples that a still-pending input id comes from, or -1) and int32 [B + B * max_blocks] (sequence
+    lengths, then the block table). Padding rows write nothing to the cache and attend to one token."""
+
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, max_batch: int,
                  device: torch.device) -> None:
         self.model, self.attn_backend, self.block_size = model, attn_backend, block_size
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((self.max_batch,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(self.max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.tokens = {size: self._host_tokens(size, 0) for size in self.sizes}
+        self.tables = {size: self._host_tables(size, 0) for size in self.sizes}
+        self.tokens = {size: torch.from_numpy(array).to(device) for size, array in self.tokens.items()}
+        self.tables = {size: torch.from_numpy(array).to(device) for size, array in self.tables.items()}
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
+    def _host_tokens(self, size: int, batch: int) -> np.ndarray:
+        tokens = np.zeros((4, size), dtype=np.int64)
+        tokens[2:, batch:] = -1  # padding rows: no cache slot, no pending id
+        return tokens
+
+    def _host_tables(self, size: int, batch: int) -> np.ndarray:
+        tables = np.zeros(size * (1 + self.max_blocks), dtype=np.int32)
+        tables[batch:size] = 1  # padding rows attend to one token
+        return tables
+
+    def _views(self, size: int):
+        """(input ids, positions, slot mapping, pending source rows, seq lens, block table) of size's buffers."""
+        tokens, tables = self.tokens[size], self.tables[size]
+        return (*tokens, tables[:size], tables[size:].view(size, self.max_blocks))
+
     def _metadata(self, batch: int):
+        _, _, slot_mapping, _, seq_lens, block_table = self._views(batch)
         common = CommonAttentionMetadata(
             num_seqs=batch, num_decodes=batch, num_tokens=batch,
-            query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
-            block_table=self.block_table[:batch], slot_mapping=self.slot_mapping[:batch],
+            query_start_loc=self.query_start_loc[:batch + 1], seq_lens=seq_lens,
+            block_table=block_table, slot_mapping=slot_mapping,
             max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[self.max_model_len] * batch,
             num_computed_tokens_cpu=[self.max_model_len - 1] * batch)
@@ -55,12 +77,13 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.sizes):  # largest first: later graphs reuse its memory
             metadata = self._metadata(batch)
+            input_ids, positions = self._views(batch)[:2]
             with forward_context(metadata, self.block_size):
-                self.model(self.input_ids[:batch], self.positions[:batch])  # warm-up: compile and tune
+                self.model(input_ids, positions)  # warm-up: compile and tune
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[batch] = self.model(self.input_ids[:batch], self.positions[:batch])
+                    self.outputs[batch] = self.model(input_ids, positions)
             self.graphs[batch] = graph
         torch.cuda.synchronize()
         logger.info("captured decode graphs for batch sizes %s", self.sizes)
@@ -71,17 +94,26 @@ class DecodeGraphs:
                 return size
         return None
 
-    def run(self, batch: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """Hidden states [batch, hidden] of a decode-only step (inputs already on the device)."""
+    def run(self, host: HostInputs, last_sampled: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states [batch, hidden] of a decode-only step: its inputs in two copies into the padded size's
+        buffers, the input ids still on the device (`host.pending_rows` of `last_sampled`) filled in, then
+        the replay."""
+        batch = len(host.requests)
         size = self.padded_size(batch)
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
-        self.block_table[:batch, :block_table.shape[1]].copy_(block_table, non_blocking=True)
-        if size > batch:  # padding rows: write nothing to the cache, attend to one token
-            self.slot_mapping[batch:size].fill_(-1)
-            self.seq_lens[batch:size].fill_(1)
+        tokens = self._host_tokens(size, batch)
+        tokens[0, :batch], tokens[1, :batch], tokens[2, :batch] = host.input_ids, host.positions, host.slot_mapping
+        tokens[3, host.pending_positions] = host.pending_rows
+        tables = self._host_tables(size, batch)
+        tables[:batch] = host.seq_lens
+        tables[size:].reshape(size, self.max_blocks)[:batch, :host.block_table.shape[1]] = host.block_table
+        self.tokens[size].copy_(torch.from_numpy(tokens).pin_memory(), non_blocking=True)
+        self.tables[size].copy_(torch.from_numpy(tables).pin_memory(), non_blocking=True)
+        if host.pending_positions:
+            assert last_sampled is not None
+            input_ids, sources = self.tokens[size][0, :batch], self.tokens[size][3, :batch]
+            if len(host.pending_positions) == batch:  # every id pending (a decode step's usual case): one gather
+                torch.index_select(last_sampled, 0, sources, out=input_ids)
+            else:
+                input_ids.copy_(torch.where(sources >= 0, last_sampled[sources.clamp(min=0)], input_ids))
         self.graphs[size].replay()
         return self.outputs[size][:batch]

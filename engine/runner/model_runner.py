@@ -173,7 +173,10 @@ class ModelRunner:
         output = RunnerOutput()
         sampled_host, event = None, None
         if host.sampling_requests:
-            logits = self.model.compute_logits(hidden[self._to_device(np.asarray(host.logits_indices))])
+            rows, selected = host.logits_indices, hidden
+            if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # else every row, in order
+                selected = hidden[self._to_device(np.asarray(rows))]
+            logits = self.model.compute_logits(selected)
             sampled, logprobs = self.sampler(logits, self._sampling_batch(host.sampling_requests))
             self._last_sampled = sampled
             for row, request in enumerate(host.sampling_requests):
@@ -200,17 +203,14 @@ class ModelRunner:
             self._unresolved.popleft()._record()
 
     def _forward(self, host: HostInputs) -> torch.Tensor:
+        if self.graphs is not None and host.is_decode_only and len(host.requests) <= self.graphs.max_batch:
+            return self.graphs.run(host, self._last_sampled)
         input_ids = self._to_device(host.input_ids)
         if host.pending_positions:
             assert self._last_sampled is not None
             input_ids[self._to_device(np.asarray(host.pending_positions))] = \
                 self._last_sampled[self._to_device(np.asarray(host.pending_rows))]
         positions = self._to_device(host.positions)
-        batch = len(host.requests)
-        if self.graphs is not None and host.is_decode_only and batch <= self.graphs.max_batch:
-            return self.graphs.run(batch, input_ids, positions, self._to_device(host.slot_mapping),
-                                   self._to_device(np.asarray(host.seq_lens, dtype=np.int32)),
-                                   self._to_device(host.block_table))
         metadata = self._attention_metadata(host.num_decodes, host.query_start_loc, host.seq_lens,
                                             host.num_computed, host.block_table, host.slot_mapping)
         with forward_context(metadata, self.block_size):

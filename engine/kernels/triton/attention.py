@@ -8,7 +8,6 @@ as the torch reference, so that each token's head vector is one contiguous row."
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata, apply_rope
-from engine.kernels.triton import decode_attention, pdl
+from engine.kernels.triton import decode_attention, pdl, workspace
 from engine.kernels.triton.common import dot, paged_rows, rope_coefficients, rotated
 
 _LOG2E = 1.4426950408889634
@@ -32,13 +31,6 @@ class TritonAttentionMetadata(CommonAttentionMetadata):
     min_split_tokens: int = 64  # a decode split never covers fewer context tokens than this (one tile)
     # (num_kv_heads, block_n) -> (num_splits, min_tiles_per_split); filled by the first layer of a step.
     _decode_plans: dict = field(default_factory=dict, repr=False)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a small number keeps the split-K path exercised at test sizes
 
 
 def _interpreting() -> bool:
@@ -223,7 +215,7 @@ class TritonAttentionBackend(AttentionBackend):
             **values,
             num_prefills=common.num_seqs - num_decodes,
             max_decode_seq_len=max(common.seq_lens_cpu[:num_decodes], default=0),
-            num_sms=_num_sms(common.seq_lens.device),
+            num_sms=workspace.num_sms(common.seq_lens.device),
         )
 
     @staticmethod

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton import pdl
+from engine.kernels.triton import pdl, workspace
 from engine.kernels.triton.common import dot, paged_rows, rope_coefficients, rotated
 
 # Decode-only steps with a rotary embedding run as one kernel; off, they run the rotary cache write, the
@@ -259,26 +259,6 @@ def _partials(num_decodes: int, num_heads: int, num_splits: int, head_size: int,
             torch.empty(num_decodes, num_heads, num_splits, 2, dtype=torch.float32, device=device))
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-_retired_counters: list[torch.Tensor] = []
-
-
-def split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The fused kernel's arrival counters (int32, zero between launches: the last split resets its own),
-    one per (sequence, KV head), shared by every layer and call on the device, which is safe while they
-    run one after another on one stream. CUDA graphs bake in the address, so a buffer is never freed, and
-    it is allocated outside capture: the eager warm-up step before each capture sizes it for that batch."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < needed:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "decode split counters must be allocated by an eager step before CUDA-graph capture"
-        if counters is not None:
-            _retired_counters.append(counters)  # graphs captured earlier still use it
-        counters = _counters[device] = torch.zeros(max(1 << 16, triton.next_power_of_2(needed)), dtype=torch.int32,
-                                                   device=device)
-    return counters
-
-
 def decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size, d_pad, block_n, num_warps,
            scale_log2, block_size, upcast, num_stages=2):
     """Split-K decode of the cached context (this step's keys and values already written), then the
@@ -322,7 +302,7 @@ def fused_decode(query, key, value, k_cache, v_cache, out, metadata, rope, group
         part_acc = part_ml = counters = out  # unused
     else:
         part_acc, part_ml = _partials(num_decodes, num_kv_heads * group, num_splits, head_size, query.device)
-        counters = split_counters(query.device, num_decodes * num_kv_heads)
+        counters = workspace.arrival_counters(query.device, num_decodes * num_kv_heads)
     # The last split combines chunks of splits at about the registers of one decode tile.
     split_chunk = max(1, min(triton.next_power_of_2(num_splits), 4096 // (group_pad * d_pad)))
     _fused_decode_kernel[(num_decodes, num_kv_heads, num_splits)](

@@ -26,9 +26,12 @@ def restore(monkeypatch):
         monkeypatch.setattr(TritonAttentionBackend, name, inspect.getattr_static(TritonAttentionBackend, name))
     monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW", gemv.PREFETCH_BYTES_PER_ROW)
     monkeypatch.setattr(gemv, "PREFETCH_BUDGET_BYTES", gemv.PREFETCH_BUDGET_BYTES)
+    monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW_FOR", gemv.PREFETCH_BYTES_PER_ROW_FOR)
+    monkeypatch.setattr(gemv, "preferred_tiles", gemv.preferred_tiles)
+    monkeypatch.setattr(gemv, "_fitted", {})
     monkeypatch.setattr(decode_attention, "FUSED_DECODE", decode_attention.FUSED_DECODE)
     monkeypatch.setattr(decode_attention, "decode_plan", decode_attention.decode_plan)
-    for name in ("gemm", "gated_gemm"):
+    for name in ("gemm", "gated_gemm", "sample"):
         monkeypatch.setattr(ops, name, getattr(ops, name))
     monkeypatch.setenv("ATOM_RAY_TRITON_PDL", "1")
     yield
@@ -125,6 +128,14 @@ def test_long_decode_splits_and_prefetch_and_pdl_switches(restore):
     kernel_variants.KERNEL_VARIANTS["l2-per-row"]()
     assert gemv.prefetch_lines(28672, 4096, 2) * 128 == gemv.PREFETCH_BYTES_PER_ROW
     assert gemv.prefetch_lines(64, 32, 2) == 0, "never more than the row, here under one line"
+    kernel_variants.KERNEL_VARIANTS["o-prefetch-8k"]()
+    assert gemv.prefetch_lines(4096, 4096, 2) * 128 == 8192 and gemv.prefetch_lines(4096, 14336, 2) * 128 == 2048
+    shapes = ((6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096))
+    assert [gemv.preferred_tiles(n, k, 2, 132) for n, k in shapes] == [(512, 4, 1)] * 4
+    kernel_variants.KERNEL_VARIANTS["qkv-split2"]()
+    assert [gemv.preferred_tiles(n, k, 2, 132) for n, k in shapes] == [(256, 4, 2)] + [(512, 4, 1)] * 3
+    kernel_variants.KERNEL_VARIANTS["thin-k256-s5"]()
+    assert [gemv.preferred_tiles(n, k, 2, 132) for n, k in shapes] == [(256, 5, 1)] * 2 + [(512, 4, 1)] * 2
     kernel_variants.no_l2_prefetch()
     assert gemv.PREFETCH_BYTES_PER_ROW == 0 and gemv.prefetch_lines(4096, 4096, 2) == 0
     kernel_variants.pdl_off()
@@ -147,17 +158,19 @@ def test_plan_length_splits_give_every_sequence_the_plans_split_length(restore):
     assert decode_attention.decode_plan(dataclasses.replace(metadata, _decode_plans={}), 8, 64) == (num_splits, plan_length)
 
 
+def _patched_state() -> tuple:
+    import os
+    return (dict(ops.__dict__), decode_attention.decode_plan, decode_attention.FUSED_DECODE,
+            gemv.PREFETCH_BYTES_PER_ROW, gemv.PREFETCH_BUDGET_BYTES, gemv.PREFETCH_BYTES_PER_ROW_FOR, gemv.preferred_tiles,
+            inspect.getattr_static(TritonAttentionBackend, "forward"),
+            inspect.getattr_static(TritonAttentionBackend, "build_metadata"), os.environ.get("ATOM_RAY_TRITON_PDL"))
+
+
 def test_restore_undoes_every_variant(restore):
     """`gpu_perf --alternate` puts the current kernels back between variant runs."""
-    import os
     state = kernel_variants.snapshot()
-    before = (dict(ops.__dict__), decode_attention.decode_plan, decode_attention.FUSED_DECODE,
-              gemv.PREFETCH_BYTES_PER_ROW, inspect.getattr_static(TritonAttentionBackend, "forward"),
-              inspect.getattr_static(TritonAttentionBackend, "build_metadata"), os.environ.get("ATOM_RAY_TRITON_PDL"))
+    before = _patched_state()
     for apply in kernel_variants.KERNEL_VARIANTS.values():
         apply()
     kernel_variants.restore(state)
-    after = (dict(ops.__dict__), decode_attention.decode_plan, decode_attention.FUSED_DECODE,
-             gemv.PREFETCH_BYTES_PER_ROW, inspect.getattr_static(TritonAttentionBackend, "forward"),
-             inspect.getattr_static(TritonAttentionBackend, "build_metadata"), os.environ.get("ATOM_RAY_TRITON_PDL"))
-    assert after == before
+    assert _patched_state() == before

@@ -25,7 +25,7 @@ from engine.kernels.torch.sampling import apply_top_k_top_p_min_p  # noqa: E402
 from engine.kernels.torch.sampling import sample as reference_sample  # noqa: E402
 from engine.kernels import triton as triton_backend  # noqa: E402
 from engine.kernels.triton import attention as triton_attention  # noqa: E402
-from engine.kernels.triton import decode_attention, gemv, ops  # noqa: E402
+from engine.kernels.triton import decode_attention, gemv, ops, workspace  # noqa: E402
 from engine.kernels.triton.attention import TritonAttentionBackend  # noqa: E402
 from engine.kernels.triton.sampling import sample  # noqa: E402
 
@@ -168,6 +168,28 @@ def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
             assert_matches(actual, expected.to(dtype), dtype)
 
 
+@pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.parametrize("gated,bias", [(False, True), (True, False)])
+def test_split_k_skinny_gemm_matches_linear(split, gated, bias):
+    """Split-K: each output tile's reduction shared by `split` programs (more than the K tiles: fewer
+    splits, none empty), the last to arrive summing the partials; the arrival counters are left at zero,
+    and a second call gives the same bits."""
+    rows, n, k = 3, 48, 200
+    if ON_GPU:
+        n, k = n * 64, k * 16
+    dtype = torch.bfloat16
+    x, weight = randn(rows, k, dtype=dtype), randn(n, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    op = reference.gated_gemm if gated else torch.nn.functional.linear
+    expected = op(x.double(), weight.double(), None if b is None else b.double())
+    config = dict(block_n=16, block_k=32 if not ON_GPU else 256)
+    actual = gemv.skinny_gemm(x, weight, b, **config, split=split, gated=gated)
+    assert actual.shape == expected.shape and actual.dtype == dtype
+    assert_close_to_scale(actual, expected, dtype)
+    assert torch.equal(gemv.skinny_gemm(x, weight, b, **config, split=split, gated=gated), actual)
+    assert not workspace._counters[x.device].any()
+
+
 def test_skinny_gemm_keeps_leading_dims_and_reads_strided_rows():
     x = randn(2, 3, 96)[:, :, :64]  # rows with a stride of 96
     weight = randn(40, 64)
@@ -205,10 +227,10 @@ def test_skinny_gemm_tiles_shrink_until_they_fit(monkeypatch):
 
 
 def test_candidate_tiles_start_from_the_measured_best():
-    first = next(gemv._candidate_tiles(4096, 14336, 2))
-    assert first == dict(block_n=32, block_k=512, num_stages=5, num_warps=4)
-    assert next(gemv._candidate_tiles(4096, 4096, 2))["block_k"] == 256
-    assert all(t["block_k"] >= 64 and t["num_stages"] >= 2 for t in gemv._candidate_tiles(4096, 4096, 4))
+    first = next(gemv._candidate_tiles(4096, 14336, 2, 132))
+    assert first == dict(block_n=32, block_k=512, num_stages=4, num_warps=4, split=1)
+    assert next(gemv._candidate_tiles(4096, 4096, 2, 132)) == first, "thin projections too"
+    assert all(t["block_k"] >= 64 and t["num_stages"] >= 2 for t in gemv._candidate_tiles(4096, 4096, 4, 132))
 
 
 def test_programmatic_dependent_launch_is_off_without_sm90(monkeypatch):
@@ -511,7 +533,7 @@ def test_fused_decode_of_a_graph_step_with_padding_rows(monkeypatch):
     rope_args = (positions, table, is_neox)
     fused, fused_cache = triton_decode(monkeypatch, True, metadata, query, key, value, cache, rope_args, block_size)
     assert next(iter(metadata._decode_plans.values()))[0] >= 8
-    assert not decode_attention._counters[query.device].any()
+    assert not workspace._counters[query.device].any()
     again, _ = triton_decode(monkeypatch, True, metadata, query, key, value, cache, rope_args, block_size)
     assert torch.equal(again, fused)
     separate, separate_cache = triton_decode(monkeypatch, False, dataclasses.replace(metadata, _decode_plans={}),
