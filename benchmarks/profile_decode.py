@@ -41,9 +41,14 @@ def steady_state(engine, steps: int = 8) -> dict:
                   if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda op: op[0])
     # Steps are told apart by the first RMSNorm after a non-layer operation (the first layer's input norm).
     idle, other, one_step, busy_until, step_index, previous_layer = 0.0, [], [], None, 0, True
+    gaps_after: dict[str, float] = defaultdict(float)  # idle time by the operation it follows
+    last_name = None
     for begin, end, name in ops:
         gap = max(0.0, begin - busy_until) if busy_until is not None else 0.0
         idle += gap
+        if last_name is not None and gap > 0:
+            gaps_after[f"{last_name[:40]} -> {name[:40]}"] += gap / steps
+        last_name = name
         busy_until = end if busy_until is None else max(busy_until, end)
         is_layer = any(kernel in name for kernel in LAYER_KERNELS)
         if not is_layer:
@@ -55,7 +60,8 @@ def steady_state(engine, steps: int = 8) -> dict:
         previous_layer = is_layer
     return {"step_us": step_us, "steps_traced": steps, "idle_us_per_step": idle / steps,
             "other_busy_us_per_step": sum(other) / steps, "other_ops_per_step": len(other) / steps,
-            "one_step": one_step}
+            "one_step": one_step,
+            "idle_us_per_step_by_boundary": dict(sorted(gaps_after.items(), key=lambda item: -item[1]))}
 
 
 def main() -> None:
@@ -117,6 +123,8 @@ def main() -> None:
           f"{steady['other_busy_us_per_step']:.1f} us busy in {steady['other_ops_per_step']:.0f} operations")
     print_table(["one step's other operations, in order", "us", "idle before, us"],
                 [(op["name"], f"{op['us']:.1f}", f"{op['gap_before_us']:.1f}") for op in steady["one_step"]])
+    print_table(["GPU idle per step after -> before", "us"],
+                [(pair, f"{us:.1f}") for pair, us in list(steady["idle_us_per_step_by_boundary"].items())[:12]])
     if args.out:
         Path(args.out).write_text(json.dumps({
             "environment": environment_record(), "batch": args.batch, "replay_us": replay_ms * 1000,

@@ -19,6 +19,10 @@ from engine.runner.input_batch import HostInputs
 
 logger = logging.getLogger(__name__)
 
+# A step's block table goes over as whole rows of max_model_len's blocks while that is at most this many
+# bytes, or while the step's widest row needs half of them.
+_WHOLE_ROWS_BYTES = 64 << 10
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
@@ -29,7 +33,8 @@ class DecodeGraphs:
     """Each captured size B has its own fixed-address inputs, laid out so that a step's inputs reach them in
     two host-to-device copies: int64 [4, B] (input ids, positions, slot mapping, and the row of the previous
     step's samples that a still-pending input id comes from, or -1) and int32 [B + B * max_blocks] (sequence
-    lengths, then the block table). Padding rows write nothing to the cache and attend to one token."""
+    lengths, then the block table; where those rows are long and mostly unused, the used columns go over
+    and are placed on the device). Padding rows write nothing to the cache and attend to one token."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, max_batch: int,
                  device: torch.device) -> None:
@@ -103,11 +108,24 @@ class DecodeGraphs:
         tokens = self._host_tokens(size, batch)
         tokens[0, :batch], tokens[1, :batch], tokens[2, :batch] = host.input_ids, host.positions, host.slot_mapping
         tokens[3, host.pending_positions] = host.pending_rows
-        tables = self._host_tables(size, batch)
-        tables[:batch] = host.seq_lens
-        tables[size:].reshape(size, self.max_blocks)[:batch, :host.block_table.shape[1]] = host.block_table
         self.tokens[size].copy_(torch.from_numpy(tokens).pin_memory(), non_blocking=True)
-        self.tables[size].copy_(torch.from_numpy(tables).pin_memory(), non_blocking=True)
+        width = host.block_table.shape[1]
+        if size * self.max_blocks * 4 <= _WHOLE_ROWS_BYTES or 2 * width > self.max_blocks:
+            # One copy of whole rows of the table (padded with zeros past each row's blocks).
+            tables = self._host_tables(size, batch)
+            tables[:batch] = host.seq_lens
+            tables[size:].reshape(size, self.max_blocks)[:batch, :width] = host.block_table
+            self.tables[size].copy_(torch.from_numpy(tables).pin_memory(), non_blocking=True)
+        else:
+            # Long rows mostly unused (a large max_model_len): copy [size, width], then place it.
+            packed = np.zeros(size * (1 + width), dtype=np.int32)
+            packed[:size] = 1
+            packed[:batch] = host.seq_lens
+            packed[size:].reshape(size, width)[:batch] = host.block_table
+            staged = torch.from_numpy(packed).pin_memory().to(self.tables[size].device, non_blocking=True)
+            seq_lens, block_table = self._views(size)[4:]
+            seq_lens.copy_(staged[:size])
+            block_table[:, :width].copy_(staged[size:].view(size, width))
         if host.pending_positions:
             assert last_sampled is not None
             input_ids, sources = self.tokens[size][0, :batch], self.tokens[size][3, :batch]

@@ -62,8 +62,14 @@ def test_triton_backend_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(arch
     assert our_agree / positions >= their_agree / positions - 0.04, (our_agree / positions, their_agree / positions)
 
 
+@pytest.mark.parametrize("table_copy", ["whole rows", "used columns"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_graph_replay_gives_the_eager_tokens(arch, tiny_model_dirs):
+def test_graph_replay_gives_the_eager_tokens(arch, table_copy, tiny_model_dirs, monkeypatch):
+    """Also with the block table sent as its used columns and placed on the device (a long max_model_len's
+    way) instead of as whole rows."""
+    from engine.runner import cuda_graphs
+    if table_copy == "used columns":
+        monkeypatch.setattr(cuda_graphs, "_WHOLE_ROWS_BYTES", 0)
     folder = str(tiny_model_dirs[arch])
     graphs = LLM(folder, dtype="float32", kernel_backend="triton", show_progress=False)
     assert graphs.engine.executor.runner.graphs is not None
