@@ -99,6 +99,15 @@ def torch_argmax() -> None:
     ops.sample = greedy_by_torch
 
 
+def skinny_warps(num_warps: int):
+    def apply() -> None:
+        """The skinny GEMM's programs with this many warps (a tuning probe)."""
+        from engine.kernels.triton import gemv
+        gemv.NUM_WARPS = num_warps
+        gemv._fitted.clear()
+    return apply
+
+
 def no_l2_prefetch() -> None:
     """The skinny GEMM without its weight prefetch into L2 ahead of the previous kernel's end."""
     from engine.kernels.triton import gemv
@@ -161,6 +170,7 @@ def snapshot() -> dict:
                       for obj, name in ((decode_attention, "decode_plan"), (decode_attention, "FUSED_DECODE"),
                                         (gemv, "PREFETCH_BYTES_PER_ROW"), (gemv, "PREFETCH_BUDGET_BYTES"),
                                         (gemv, "PREFETCH_BYTES_PER_ROW_FOR"), (gemv, "preferred_tiles"),
+                                        (gemv, "NUM_WARPS"),
                                         (TritonAttentionBackend, "forward"),
                                         (TritonAttentionBackend, "build_metadata"))]}
 
@@ -192,6 +202,7 @@ KERNEL_VARIANTS = {"plan-length-splits": plan_length_splits,
                    "o-prefetch-4k": prefetch_for_shape(4096, 4096, 4096),
                    "o-prefetch-8k": prefetch_for_shape(4096, 4096, 8192),
                    "thin-k256-s5": thin_k256_s5, "torch-argmax": torch_argmax,
+                   "skinny-warps-8": skinny_warps(8),
                    "separate-silu-and-mul": separate_silu_and_mul,
                    "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
                    "separate-decode-kernels": separate_decode_kernels, "unfused-rope": unfused_rope,

@@ -115,6 +115,7 @@ PREFETCH_BYTES_PER_ROW = 2048
 # When set: a budget for the whole launch instead, spread over its weight rows (a power-of-two number of
 # 128-byte lines per row, at most the row): thin projections prefetch more of each row, wide ones less.
 PREFETCH_BUDGET_BYTES: int | None = None
+NUM_WARPS = 4  # of each skinny-GEMM program (4 measured best on the H100 in every sweep so far)
 # Per weight shape (N, K): prefetch this much of each row instead (tuning probes; see kernel_variants).
 PREFETCH_BYTES_PER_ROW_FOR: dict[tuple[int, int], int] = {}
 
@@ -150,9 +151,9 @@ def _candidate_tiles(n: int, k: int, element_size: int, num_sms: int = 132):
     block_k, stages, split = preferred_tiles(n, k, element_size, num_sms)
     while block_k >= 64:
         for num_stages in (stages, stages - 1):
-            yield dict(block_n=32, block_k=block_k, num_stages=num_stages, num_warps=4, split=split)
+            yield dict(block_n=32, block_k=block_k, num_stages=num_stages, num_warps=NUM_WARPS, split=split)
         block_k //= 2
-    yield dict(block_n=32, block_k=64, num_stages=2, num_warps=4, split=split)
+    yield dict(block_n=32, block_k=64, num_stages=2, num_warps=NUM_WARPS, split=split)
 
 
 _fitted: dict[tuple, dict] = {}  # (N, K, dtype, row tile, gated, out dtype, device) -> the first candidate that launched

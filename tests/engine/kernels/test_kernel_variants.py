@@ -28,6 +28,7 @@ def restore(monkeypatch):
     monkeypatch.setattr(gemv, "PREFETCH_BUDGET_BYTES", gemv.PREFETCH_BUDGET_BYTES)
     monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW_FOR", gemv.PREFETCH_BYTES_PER_ROW_FOR)
     monkeypatch.setattr(gemv, "preferred_tiles", gemv.preferred_tiles)
+    monkeypatch.setattr(gemv, "NUM_WARPS", gemv.NUM_WARPS)
     monkeypatch.setattr(gemv, "_fitted", {})
     monkeypatch.setattr(decode_attention, "FUSED_DECODE", decode_attention.FUSED_DECODE)
     monkeypatch.setattr(decode_attention, "decode_plan", decode_attention.decode_plan)
@@ -161,7 +162,7 @@ def test_plan_length_splits_give_every_sequence_the_plans_split_length(restore):
 def _patched_state() -> tuple:
     import os
     return (dict(ops.__dict__), decode_attention.decode_plan, decode_attention.FUSED_DECODE,
-            gemv.PREFETCH_BYTES_PER_ROW, gemv.PREFETCH_BUDGET_BYTES, gemv.PREFETCH_BYTES_PER_ROW_FOR, gemv.preferred_tiles,
+            gemv.PREFETCH_BYTES_PER_ROW, gemv.PREFETCH_BUDGET_BYTES, gemv.PREFETCH_BYTES_PER_ROW_FOR, gemv.preferred_tiles, gemv.NUM_WARPS,
             inspect.getattr_static(TritonAttentionBackend, "forward"),
             inspect.getattr_static(TritonAttentionBackend, "build_metadata"), os.environ.get("ATOM_RAY_TRITON_PDL"))
 
