@@ -24,9 +24,48 @@ logger = logging.getLogger(__name__)
 _WHOLE_ROWS_BYTES = 64 << 10
 
 
+def whole_table_rows(size: int, width: int, max_blocks: int) -> bool:
+    return size * max_blocks * 4 <= _WHOLE_ROWS_BYTES or 2 * width > max_blocks
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
     return sorted({s for s in sizes if s <= max_num_seqs} | {min(max_num_seqs, 512)})
+
+
+def pack_tokens(host: HostInputs | None, size: int) -> np.ndarray:
+    """int64 [4, size]: input ids, positions, slot mapping (-1: a padding row, nothing stored) and the row of
+    the previous step's samples that each still-pending input id comes from (-1: none)."""
+    batch = len(host.requests) if host is not None else 0
+    tokens = np.zeros((4, size), dtype=np.int64)
+    tokens[2, batch:] = -1
+    tokens[3] = -1
+    if host is not None:
+        tokens[0, :batch], tokens[1, :batch], tokens[2, :batch] = host.input_ids, host.positions, host.slot_mapping
+        tokens[3, host.pending_positions] = host.pending_rows
+    return tokens
+
+
+def pack_tables(host: HostInputs | None, size: int, width: int) -> np.ndarray:
+    """int32 [size + size * width]: sequence lengths (1 for padding rows), then a [size, width] block table
+    (zeros past each row's blocks)."""
+    tables = np.zeros(size * (1 + width), dtype=np.int32)
+    tables[:size] = 1
+    if host is not None:
+        batch, used = len(host.requests), host.block_table.shape[1]
+        tables[:batch] = host.seq_lens
+        tables[size:].reshape(size, width)[:batch, :used] = host.block_table
+    return tables
+
+
+def fill_pending(input_ids: torch.Tensor, sources: torch.Tensor, last_sampled: torch.Tensor,
+                 all_pending: bool) -> None:
+    """In place: input_ids[i] = last_sampled[sources[i]] where sources[i] >= 0 (`all_pending`: every row,
+    one gather, a decode step's usual case)."""
+    if all_pending:
+        torch.index_select(last_sampled, 0, sources, out=input_ids)
+    else:
+        input_ids.copy_(torch.where(sources >= 0, last_sampled[sources.clamp(min=0)], input_ids))
 
 
 class DecodeGraphs:
@@ -43,23 +82,12 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
-        self.tokens = {size: self._host_tokens(size, 0) for size in self.sizes}
-        self.tables = {size: self._host_tables(size, 0) for size in self.sizes}
-        self.tokens = {size: torch.from_numpy(array).to(device) for size, array in self.tokens.items()}
-        self.tables = {size: torch.from_numpy(array).to(device) for size, array in self.tables.items()}
+        self.tokens = {size: torch.from_numpy(pack_tokens(None, size)).to(device) for size in self.sizes}
+        self.tables = {size: torch.from_numpy(pack_tables(None, size, self.max_blocks)).to(device)
+                       for size in self.sizes}
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-
-    def _host_tokens(self, size: int, batch: int) -> np.ndarray:
-        tokens = np.zeros((4, size), dtype=np.int64)
-        tokens[2:, batch:] = -1  # padding rows: no cache slot, no pending id
-        return tokens
-
-    def _host_tables(self, size: int, batch: int) -> np.ndarray:
-        tables = np.zeros(size * (1 + self.max_blocks), dtype=np.int32)
-        tables[batch:size] = 1  # padding rows attend to one token
-        return tables
 
     def _views(self, size: int):
         """(input ids, positions, slot mapping, pending source rows, seq lens, block table) of size's buffers."""
@@ -105,33 +133,20 @@ class DecodeGraphs:
         the replay."""
         batch = len(host.requests)
         size = self.padded_size(batch)
-        tokens = self._host_tokens(size, batch)
-        tokens[0, :batch], tokens[1, :batch], tokens[2, :batch] = host.input_ids, host.positions, host.slot_mapping
-        tokens[3, host.pending_positions] = host.pending_rows
-        self.tokens[size].copy_(torch.from_numpy(tokens).pin_memory(), non_blocking=True)
+        self.tokens[size].copy_(torch.from_numpy(pack_tokens(host, size)).pin_memory(), non_blocking=True)
         width = host.block_table.shape[1]
-        if size * self.max_blocks * 4 <= _WHOLE_ROWS_BYTES or 2 * width > self.max_blocks:
-            # One copy of whole rows of the table (padded with zeros past each row's blocks).
-            tables = self._host_tables(size, batch)
-            tables[:batch] = host.seq_lens
-            tables[size:].reshape(size, self.max_blocks)[:batch, :width] = host.block_table
+        if whole_table_rows(size, width, self.max_blocks):
+            tables = pack_tables(host, size, self.max_blocks)
             self.tables[size].copy_(torch.from_numpy(tables).pin_memory(), non_blocking=True)
-        else:
-            # Long rows mostly unused (a large max_model_len): copy [size, width], then place it.
-            packed = np.zeros(size * (1 + width), dtype=np.int32)
-            packed[:size] = 1
-            packed[:batch] = host.seq_lens
-            packed[size:].reshape(size, width)[:batch] = host.block_table
-            staged = torch.from_numpy(packed).pin_memory().to(self.tables[size].device, non_blocking=True)
+        else:  # long rows mostly unused (a large max_model_len): copy [size, width], then place it
+            staged = torch.from_numpy(pack_tables(host, size, width)).pin_memory().to(
+                self.tables[size].device, non_blocking=True)
             seq_lens, block_table = self._views(size)[4:]
             seq_lens.copy_(staged[:size])
             block_table[:, :width].copy_(staged[size:].view(size, width))
         if host.pending_positions:
             assert last_sampled is not None
-            input_ids, sources = self.tokens[size][0, :batch], self.tokens[size][3, :batch]
-            if len(host.pending_positions) == batch:  # every id pending (a decode step's usual case): one gather
-                torch.index_select(last_sampled, 0, sources, out=input_ids)
-            else:
-                input_ids.copy_(torch.where(sources >= 0, last_sampled[sources.clamp(min=0)], input_ids))
+            fill_pending(self.tokens[size][0, :batch], self.tokens[size][3, :batch], last_sampled,
+                         len(host.pending_positions) == batch)
         self.graphs[size].replay()
         return self.outputs[size][:batch]

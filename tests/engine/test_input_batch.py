@@ -38,3 +38,60 @@ def test_a_chunk_missing_more_than_its_last_token_is_refused():
     r = request(num_known=10, num_computed=10, num_pending=2)
     with pytest.raises(AssertionError):
         prepare_host_inputs({"r": r}, {"r": 2}, block_size=16)
+
+
+# ---- decode-graph input buffers (engine/runner/cuda_graphs.py): their host side runs anywhere ------------
+
+def decode_batch(pending: list[bool]):
+    """A decode step of len(pending) requests with 20 known tokens each (block size 16, blocks 2r+1, 2r+2);
+    request r's newest token is pending (sampled on row 5 - r of the last step) where pending[r]."""
+    requests = {}
+    for r, is_pending in enumerate(pending):
+        computed = 20 if is_pending else 19
+        requests[f"r{r}"] = RunnerRequest(f"r{r}", list(range(100 * r, 100 * r + 20)), 8, SamplingParams(),
+                                          [2 * r + 1, 2 * r + 2], computed, int(is_pending), 5 - r, 1)
+    return prepare_host_inputs(requests, {name: 1 for name in requests}, block_size=16)
+
+
+def test_graph_token_buffer_pads_rows_and_marks_pending_sources():
+    import numpy as np
+
+    from engine.runner.cuda_graphs import pack_tokens
+    host = decode_batch([True, False, True])
+    tokens = pack_tokens(host, 4)
+    assert tokens.dtype == np.int64 and tokens.shape == (4, 4)
+    assert tokens[0].tolist() == [0, 119, 0, 0], "pending ids are filled on the device"
+    assert tokens[1].tolist() == [20, 19, 20, 0]
+    assert tokens[2].tolist() == [2 * 16 + 4, 4 * 16 + 3, 6 * 16 + 4, -1], "the padding row stores nothing"
+    assert tokens[3].tolist() == [5, -1, 3, -1], "a known id has no source row"
+
+
+@pytest.mark.parametrize("width", [None, 2])
+def test_graph_table_buffer_holds_seq_lens_then_the_block_table(width):
+    from engine.runner.cuda_graphs import pack_tables
+    host = decode_batch([True, True])
+    max_blocks = 6
+    tables = pack_tables(host, 4, width or max_blocks)
+    seq_lens, table = tables[:4], tables[4:].reshape(4, width or max_blocks)
+    assert seq_lens.tolist() == [21, 21, 1, 1], "padding rows attend to one token"
+    assert table[:, :2].tolist() == [[1, 2], [3, 4], [0, 0], [0, 0]] and not table[:, 2:].any()
+
+
+def test_whole_table_rows_only_while_small_or_mostly_used():
+    from engine.runner.cuda_graphs import whole_table_rows
+    assert whole_table_rows(8, 3, 256), "8 rows of 256 blocks: 8 KB"
+    assert not whole_table_rows(256, 3, 2048), "256 rows of 2048 blocks, 3 used"
+    assert whole_table_rows(256, 1500, 2048), "most of each row used"
+
+
+def test_pending_ids_are_filled_from_the_previous_samples():
+    import torch
+
+    from engine.runner.cuda_graphs import fill_pending
+    last_sampled = torch.tensor([70, 71, 72, 73, 74, 75])
+    ids = torch.tensor([0, 119, 0])
+    fill_pending(ids, torch.tensor([5, -1, 3]), last_sampled, all_pending=False)
+    assert ids.tolist() == [75, 119, 73]
+    ids = torch.zeros(2, dtype=torch.int64)
+    fill_pending(ids, torch.tensor([2, 0]), last_sampled, all_pending=True)
+    assert ids.tolist() == [72, 70]
