@@ -95,3 +95,38 @@ def test_pending_ids_are_filled_from_the_previous_samples():
     ids = torch.zeros(2, dtype=torch.int64)
     fill_pending(ids, torch.tensor([2, 0]), last_sampled, all_pending=True)
     assert ids.tolist() == [72, 70]
+
+
+@pytest.mark.parametrize("max_model_len", [128, 1 << 20], ids=["whole rows", "used columns"])
+def test_graph_run_fills_the_padded_sizes_buffers(max_model_len, monkeypatch):
+    """`DecodeGraphs.run` up to the replay, on the CPU (pinned staging is a GPU matter): a 3-request step
+    pads to the captured size 4, its inputs land in that size's buffers (block table as whole rows, or as
+    its used columns for a long max_model_len), pending ids come from the last samples."""
+    import torch
+
+    from engine.runner.cuda_graphs import DecodeGraphs
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    graphs = DecodeGraphs(None, None, 16, max_model_len, 8, torch.device("cpu"))
+    assert graphs.sizes == [1, 2, 4, 8]
+    seen = {}
+
+    class Replay:
+        def __init__(self, size):
+            self.size = size
+
+        def replay(self):
+            seen["views"] = [view.clone() for view in graphs._views(self.size)]
+
+    graphs.graphs = {size: Replay(size) for size in graphs.sizes}
+    graphs.outputs = {size: torch.arange(size * 2).view(size, 2) for size in graphs.sizes}
+    graphs._views(4)[5].fill_(99)  # stale table entries from an earlier step
+    host = decode_batch([True, False, True])
+    hidden = graphs.run(host, torch.tensor([70, 71, 72, 73, 74, 75]))
+    assert hidden.tolist() == [[0, 1], [2, 3], [4, 5]]
+    input_ids, positions, slots, sources, seq_lens, table = seen["views"]
+    assert input_ids.tolist() == [75, 119, 73, 0] and positions.tolist() == [20, 19, 20, 0]
+    assert slots.tolist()[3] == -1 and sources.tolist() == [5, -1, 3, -1]
+    assert seq_lens.tolist() == [21, 20, 21, 1]
+    assert table[:, :2].tolist() == [[1, 2], [3, 4], [5, 6], [0, 0]]
+    whole_rows = max_model_len == 128
+    assert bool((table[:, 2:] == 0).all()) == whole_rows, "used columns leave the rest as it was (unread)"
