@@ -8,7 +8,8 @@ the tensor cores.
 Measured on an H100 (`benchmarks/gemm_bench.py`, Llama-3.1-8B projections, weights never L2-resident): 1.02x
 to 1.15x cuBLAS at 1 and 16 rows for every projection with the 2026-11-22 tiles, up to 3117 GB/s (the LM
 head) against 3037 GB/s for a plain `sum` read of 1 GiB; with the current tiles (`preferred_tiles`) at 1 row
-1.04x-1.31x (O: 12.7 us, 2637 GB/s). Larger batches are compute-shaped and stay on the BLAS.
+1.04x-1.31x for gate/up, down and O (O: 12.7 us, 2637 GB/s). Larger batches are compute-shaped and stay
+on the BLAS.
 """
 from __future__ import annotations
 
