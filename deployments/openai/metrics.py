@@ -56,31 +56,30 @@ class _EngineStatsCollector:
 class AppMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first output.",
-            registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between successive outputs of a request.",
-            registry=self.registry, buckets=_TOKEN_GAP_BUCKETS)
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last output.",
-            registry=self.registry, buckets=_REQUEST_BUCKETS)
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds", "Time from request arrival to its first output.", _LATENCY_BUCKETS)
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds", "Time between successive outputs of a request.", _TOKEN_GAP_BUCKETS)
+        self.e2e_request_latency = self._histogram(
+            "e2e_request_latency_seconds", "Time from request arrival to its last output.", _REQUEST_BUCKETS)
         # The engine's own intervals (from its RequestMetrics): what the time to first token spent waiting in
         # the engine and computing the prefill; the rest of that time is outside the engine (HTTP, Ray, ...).
-        self.request_queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Time from the engine's arrival of a request to its first scheduling.",
-            registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self.request_prefill_time = Histogram(
-            PREFIX + "request_prefill_time_seconds", "Time from a request's first scheduling to its first token.",
-            registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self.request_decode_time = Histogram(
-            PREFIX + "request_decode_time_seconds", "Time from a request's first token to its last.",
-            registry=self.registry, buckets=_REQUEST_BUCKETS)
+        self.request_queue_time = self._histogram(
+            "request_queue_time_seconds", "Time from the engine's arrival of a request to its first scheduling.",
+            _LATENCY_BUCKETS)
+        self.request_prefill_time = self._histogram(
+            "request_prefill_time_seconds", "Time from a request's first scheduling to its first token.",
+            _LATENCY_BUCKETS)
+        self.request_decode_time = self._histogram(
+            "request_decode_time_seconds", "Time from a request's first token to its last.", _REQUEST_BUCKETS)
         # A counter family built by hand, so that finish reasons seen by this app add up across scrapes.
         self._finished: dict[str, int] = {}
         self._engine_stats = _EngineStatsCollector()
         self.registry.register(self._engine_stats)
         self.registry.register(self)
+
+    def _histogram(self, name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, help_text, registry=self.registry, buckets=buckets)
 
     def record_finished(self, finish_reason: str | None) -> None:
         reason = finish_reason or "unknown"

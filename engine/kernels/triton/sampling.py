@@ -102,10 +102,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     best_val = torch.empty(winners, num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(winners, num_rows, num_chunks, dtype=torch.int64, device=logits.device)
     if greedy_only:
-        temperature = min_p = row_max = seeds = logits  # unused placeholders
+        # The kernels take these pointers but, compiled GREEDY_ONLY, never read them.
+        temperature = min_p = row_max = seeds = logits
     else:
         min_p, seeds = t.min_p, t.seeds
-        row_max = logits.amax(dim=-1) if t.any_min_p else temperature  # the latter is an unused placeholder
+        # Without min-p the kernel never reads row_max (APPLY_MIN_P is off): any tensor will do.
+        row_max = logits.amax(dim=-1) if t.any_min_p else temperature
     _chunk_kernel[(triton.cdiv(num_rows, block_rows), num_chunks)](
         logits, temperature, min_p, row_max, seeds, best_val, best_idx, num_rows, vocab_size,
         logits.stride(0), num_chunks, GREEDY_ONLY=greedy_only, APPLY_MIN_P=not greedy_only and t.any_min_p,
