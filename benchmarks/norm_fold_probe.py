@@ -26,7 +26,7 @@ import triton.language as tl
 
 from benchmarks.common import environment_record, print_table
 from benchmarks.gemm_bench import projection_shapes, read_bandwidth_gbps, time_calls
-from engine.kernels.triton import gemv, ops, pdl
+from engine.kernels.triton import gemv, ops, pdl, workspace
 from engine.kernels.triton.gemv import _prefetch_l2
 from engine.kernels.triton.common import dot
 
@@ -88,7 +88,7 @@ def _probe_kernel(x_ptr, w_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, str
 def probe_gemm(x, weight, *, gated=False, rms_scale=False, residual=None, eps=1e-5):
     m, k = x.shape
     n = weight.shape[0]
-    tiles = next(gemv._candidate_tiles(n, k, 2))
+    tiles = next(gemv._candidate_tiles(n, k, 2, workspace.num_sms(x.device)))
     out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     res = residual if residual is not None else out
     _probe_kernel[(triton.cdiv(n, tiles["block_n"]),)](

@@ -147,7 +147,7 @@ def preferred_tiles(n: int, k: int, element_size: int, num_sms: int) -> tuple[in
     return 512, 4, 1
 
 
-def _candidate_tiles(n: int, k: int, element_size: int, num_sms: int = 132):
+def _candidate_tiles(n: int, k: int, element_size: int, num_sms: int):
     """Tiles in order of preference: 32 output features per program (the best width in every H100 sweep of
     the Llama-3.1-8B projections at TP=1 and TP=2, up to 16 rows) with `preferred_tiles`' K tile, depth and
     split, then shallower pipelines and shorter K tiles, for GPUs with less shared memory and for more rows."""
