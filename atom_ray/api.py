@@ -14,7 +14,7 @@ from engine.sampling_params import SamplingParams
 from atom_ray.client import RayEngineClient, unwrap_ray_error
 from atom_ray.cluster import ensure_ray
 from atom_ray.coordinator import Coordinator
-from atom_ray.placement import create_placement_group, placement_options, rank_options
+from atom_ray.placement import check_gpus_per_rank, create_placement_group, placement_options, rank_options
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +78,18 @@ class EngineHandle:
 
 
 def start(model: str, *, address: str | None = None, cpus_per_rank: int | None = None,
-          accelerator_type: str | None = None, placement_timeout_s: float = 600.0, **engine_args) -> EngineHandle:
+          accelerator_type: str | None = None, placement_timeout_s: float = 600.0, gpus_per_rank: float = 1.0,
+          **engine_args) -> EngineHandle:
     """Start an engine for `model` on Ray: joins `address` (or a running local cluster), else starts a
-    local Ray on 127.0.0.1. Engine arguments are EngineConfig's (tensor_parallel_size, dtype, ...)."""
+    local Ray on 127.0.0.1. Engine arguments are EngineConfig's (tensor_parallel_size, dtype, ...).
+    `gpus_per_rank=0.5` puts two TP ranks on each GPU, for checking TP numerics on one GPU (slow: their
+    all-reduces go through host memory, and CUDA graphs are off)."""
     import ray
     config = EngineConfig.from_kwargs(model, **engine_args)  # invalid arguments fail here, in the caller
+    gpus_per_rank = check_gpus_per_rank(gpus_per_rank)
     ensure_ray(address)
     options = placement_options(config.device, config.tensor_parallel_size, cpus_per_rank, accelerator_type,
-                                placement_timeout_s)
+                                placement_timeout_s, gpus_per_rank)
     group = create_placement_group(config.tensor_parallel_size, options)
     # The coordinator is rank 0: it takes the first bundle (a GPU, or the rank's cores).
     coordinator = ray.remote(Coordinator).options(**rank_options(group, 0, options), max_concurrency=10_000).remote(

@@ -20,12 +20,13 @@ class PlacementOptions:
     accelerator_type: str | None = None
     timeout_s: float = 600.0
     share_devices: bool = False  # GPU ranks of a TP group see every GPU of their node
+    gpus_per_rank: float = 1.0  # below 1, ranks share GPUs (for checking TP numerics on fewer GPUs)
 
     @property
     def bundle(self) -> dict:
         bundle = {"CPU": self.cpus_per_rank}
         if self.use_gpu:
-            bundle["GPU"] = 1
+            bundle["GPU"] = self.gpus_per_rank
         if self.accelerator_type:
             # Ray's per-node label resource: asking a sliver of it pins the bundle to such GPUs.
             bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
@@ -33,18 +34,27 @@ class PlacementOptions:
 
 
 def placement_options(device: str, tensor_parallel_size: int, cpus_per_rank: int | None,
-                      accelerator_type: str | None, timeout_s: float) -> PlacementOptions:
-    """GPU ranks when the engine asks for CUDA, or for 'auto' when the cluster has enough GPUs."""
+                      accelerator_type: str | None, timeout_s: float, gpus_per_rank: float = 1.0) -> PlacementOptions:
+    """GPU ranks when the engine asks for CUDA, or for 'auto' when the cluster has enough GPUs.
+    `gpus_per_rank` below 1 packs several ranks on one GPU (0.5: two); such ranks reduce through host
+    memory (engine/parallel/state.py), so it is for checking TP numerics, not for speed."""
     import ray
     gpus = ray.cluster_resources().get("GPU", 0)
-    use_gpu = device == "cuda" or (device == "auto" and gpus >= tensor_parallel_size)
-    if device == "cuda" and gpus < tensor_parallel_size:
-        raise RuntimeError(f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} GPUs; "
-                           f"the Ray cluster has {gpus:g}")
+    needed = tensor_parallel_size * gpus_per_rank
+    use_gpu = device == "cuda" or (device == "auto" and gpus >= needed)
+    if device == "cuda" and gpus < needed:
+        raise RuntimeError(f"tensor_parallel_size={tensor_parallel_size} with gpus_per_rank={gpus_per_rank:g} needs "
+                           f"{needed:g} GPUs; the Ray cluster has {gpus:g}")
     if cpus_per_rank is None:
         cpus_per_rank = 1 if use_gpu else max(1, (os.cpu_count() or 1) // tensor_parallel_size)
     return PlacementOptions(use_gpu, cpus_per_rank, accelerator_type, timeout_s,
-                            share_devices=use_gpu and tensor_parallel_size > 1)
+                            share_devices=use_gpu and tensor_parallel_size > 1, gpus_per_rank=gpus_per_rank)
+
+
+def check_gpus_per_rank(gpus_per_rank) -> float:
+    if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, (int, float)) or not 0 < gpus_per_rank <= 1:
+        raise ValueError(f"gpus_per_rank must be a number in (0, 1] (0.5 puts two ranks on a GPU), got {gpus_per_rank!r}")
+    return float(gpus_per_rank)
 
 
 def create_placement_group(num_ranks: int, options: PlacementOptions):
@@ -70,7 +80,7 @@ def rank_options(group, rank: int, options: PlacementOptions) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     options_ = {
         "num_cpus": options.cpus_per_rank,
-        "num_gpus": 1 if options.use_gpu else 0,
+        "num_gpus": options.gpus_per_rank if options.use_gpu else 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=rank,
             placement_group_capture_child_tasks=False),

@@ -9,7 +9,9 @@ measures that noise floor too (TP=1 against TP=1 with the prompt prefilled in 25
 changes the order of the sums) and the top-1/top-2 logprob margin where the choices differ. With real
 weights (`--load-format auto` and a model folder or .gguf file) `--teacher natural` makes the sequence
 the model's own text (sampled from the bf16 TP=1 engine at temperature 0.8 with a fixed seed) instead of
-random token ids; `--agreement-only` skips the speed stages.
+random token ids; `--agreement-only` skips the speed stages. `--gpus-per-rank 0.5 --agreement-only` runs
+the TP=2 engine's two ranks on one GPU (their all-reduces through gloo in host memory: a two-rank sum
+rounds once whichever library adds it, so the tokens are those of two GPUs; the speed is not).
 
     python -m benchmarks.tp_scaling [--model benchmarks/configs/llama-3.1-8b] --out tp.json
     python -m benchmarks.tp_scaling --model SmolLM2.gguf --load-format auto --teacher natural --agreement-only --out a.json
@@ -153,11 +155,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda; cpu runs the agreement stages with gloo")
     parser.add_argument("--tp-reduce-dtypes", default="float32",
                         help="comma-separated tp_reduce_dtype values to run TP=2 with (the first is the headline)")
+    parser.add_argument("--gpus-per-rank", type=float, default=1.0,
+                        help="0.5 runs TP=2 on one GPU (ranks reduce through host memory): agreement only")
     parser.add_argument("--ray-tp1-only", action="store_true",
                         help="one GPU: only the bare engine against atom_ray.start with TP=1")
     parser.add_argument("--step-timing-dir", default=None,
                         help="only TP=2 decode, with each rank's step timing (device time, idle gaps) written here")
     args = parser.parse_args()
+    if args.gpus_per_rank != 1 and not args.agreement_only:
+        parser.error("--gpus-per-rank below 1 measures numerics only: add --agreement-only")
     ENGINE_ARGS.update(load_format=args.load_format, device=args.device)
     if args.step_timing_dir:
         step_timing(args)
@@ -171,7 +177,7 @@ def main() -> None:
     from engine import LLM
 
     results = {"environment": environment_record(), "model": args.model, "engine_args": ENGINE_ARGS,
-               "teacher": args.teacher}
+               "teacher": args.teacher, "gpus_per_rank": args.gpus_per_rank}
 
     def save() -> None:  # after every stage, so a run cut short still leaves what it measured
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +222,7 @@ def main() -> None:
         # (TP, tp_reduce_dtype): in float32 the reduce dtype is float32 either way.
         runs = [(1, None)] + [(2, r) for r in (reduce_dtypes if dtype == "bfloat16" else reduce_dtypes[:1])]
         for tp, reduce in runs:
-            extra = {"tp_reduce_dtype": reduce} if reduce else {}
+            extra = {"tp_reduce_dtype": reduce, "gpus_per_rank": args.gpus_per_rank} if reduce else {}
             suffix = f"_{reduce}" if reduce and reduce != reduce_dtypes[0] else ""
             handle = atom_ray.start(args.model, dtype=dtype, tensor_parallel_size=tp, **extra, **ENGINE_ARGS)
             try:

@@ -1,6 +1,11 @@
 """Tensor-parallel state of this process: its rank, the group's size, the device group (NCCL/RCCL on
 GPUs, gloo on CPU), a gloo group for control messages, and on CUDA the one-shot all-reduce for small
-tensors (engine/parallel/symmetric_all_reduce.py)."""
+tensors (engine/parallel/symmetric_all_reduce.py).
+
+Ranks that share one GPU (atom_ray.start(..., gpus_per_rank=0.5)) cannot use NCCL, which refuses two
+ranks on one device: their tensors are reduced by gloo through host memory, and CUDA graphs are off (gloo's
+collectives cannot be captured). That is for checking TP numerics on a one-GPU machine, not for speed: the
+sums are the same (a two-rank sum rounds once whichever library adds it), the time is not."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +24,11 @@ class ParallelState:
     cpu_group: object | None = None
     small_all_reduce: object | None = None  # SymmetricAllReduce where the GPUs can map each other's memory
     reduce_in_fp32: bool = True  # row-parallel partial sums travel and add up in float32
+    ranks_on_device: int = 1  # ranks of the group on this rank's GPU; above 1: gloo reduces, no CUDA graphs
+
+    @property
+    def shares_device(self) -> bool:
+        return self.ranks_on_device > 1
 
 
 _state = ParallelState()
@@ -46,9 +56,30 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
                             timeout=datetime.timedelta(seconds=timeout_s))
     ranks = list(range(tp_size))
     cpu_group = dist.new_group(ranks, backend="gloo") if backend != "gloo" else dist.group.WORLD
+    if backend == "nccl":
+        devices: list = [None] * tp_size
+        dist.all_gather_object(devices, device_identity(device), group=cpu_group)
+        ranks_on_device = devices.count(devices[tp_rank])
+        if len(set(devices)) < tp_size:  # every rank takes this path, so the collectives match
+            import logging
+            logging.getLogger(__name__).warning(
+                "TP ranks share a GPU (%s): all-reduces go through gloo in host memory and CUDA graphs are "
+                "off; use this to check numerics, not speed", devices)
+            _state = ParallelState(tp_rank, tp_size, cpu_group, cpu_group, None, reduce_in_fp32, ranks_on_device)
+            return _state
     small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device) if backend == "nccl" else None
     _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group, small_all_reduce, reduce_in_fp32)
     return _state
+
+
+def device_identity(device: torch.device) -> str:
+    """The physical GPU behind `device`, the same string in every process that sees it (whatever
+    CUDA_VISIBLE_DEVICES numbers it): its UUID where torch reports one, else its PCI bus id."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid:
+        return str(uuid)
+    return f"{props.pci_domain_id}:{props.pci_bus_id}:{props.pci_device_id}"
 
 
 def destroy_parallel() -> None:
@@ -64,6 +95,10 @@ def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     if _state.small_all_reduce is not None and _state.small_all_reduce.fits(x):
         return _state.small_all_reduce(x)
+    if _state.shares_device:
+        host = x.cpu()
+        dist.all_reduce(host, group=_state.device_group)
+        return host.to(x.device)
     dist.all_reduce(x, group=_state.device_group)
     return x
 
@@ -71,6 +106,8 @@ def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _state.tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=_state.device_group)
-    return torch.cat(parts, dim=dim)
+    # gloo (CPU, or ranks sharing a GPU) gathers host tensors only
+    local = x.contiguous().cpu() if _state.shares_device else x.contiguous()
+    parts = [torch.empty_like(local) for _ in range(_state.tp_size)]
+    dist.all_gather(parts, local, group=_state.device_group)
+    return torch.cat(parts, dim=dim).to(x.device)

@@ -110,7 +110,7 @@ class ModelRunner:
             return self.config.num_kv_blocks
         if self.uses_cuda and self.config.kv_cache_memory_bytes is None:
             self.profile_run()
-        budget = kv_cache_budget_bytes(self.config, self.device)
+        budget = kv_cache_budget_bytes(self.config, self.device, get_parallel_state().ranks_on_device)
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         return int(min(budget // self.kv_cache_bytes_per_block(), blocks_per_seq * self.config.max_num_seqs + 1))
 
@@ -138,7 +138,8 @@ class ModelRunner:
             shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN.
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs:
+        if (self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs
+                and not get_parallel_state().shares_device):  # gloo's collectives cannot be captured
             graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size, self.max_model_len,
                                   self.config.max_num_seqs, self.device)
             try:

@@ -41,6 +41,26 @@ def test_only_gpu_tp_groups_share_devices(monkeypatch):
     assert not placement.placement_options("cpu", 2, None, None, 60).share_devices
 
 
+def test_ranks_sharing_a_gpu_ask_for_a_fraction_of_it(monkeypatch):
+    import ray
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 1, "CPU": 16})
+    options = placement.placement_options("cuda", 2, None, None, 60, gpus_per_rank=0.5)
+    assert options.bundle["GPU"] == 0.5 and rank_options(None, 1, options)["num_gpus"] == 0.5
+    assert options.share_devices
+    with pytest.raises(RuntimeError, match="tensor_parallel_size=2 with gpus_per_rank=1 needs 2 GPUs"):
+        placement.placement_options("cuda", 2, None, None, 60)
+    assert not placement.placement_options("auto", 2, None, None, 60).use_gpu  # falls back to CPU ranks
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.5, True, "0.5", None])
+def test_a_bad_gpus_per_rank_is_refused_before_anything_starts(value):
+    with pytest.raises(ValueError, match="gpus_per_rank must be a number in \\(0, 1\\]"):
+        placement.check_gpus_per_rank(value)
+    with pytest.raises(ValueError, match="gpus_per_rank"):  # from the caller, before Ray is touched
+        import atom_ray
+        atom_ray.start("smollm2-135m", address="ray://nowhere.invalid:1", gpus_per_rank=value)
+
+
 def test_a_rank_that_sees_the_whole_node_selects_its_assigned_gpu(assigned_gpu, monkeypatch):
     assigned_gpu("3")
     assert assigned_device_index() == 3

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import atom_ray
 from engine import LLM, SamplingParams
@@ -31,6 +32,19 @@ def test_tp2_matches_single_process_on_smollm2_with_uneven_head_split(ray_cluste
         outputs = engine.generate(prompts, params)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
         assert "Paris" in outputs[0].text
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tp2_ranks_sharing_one_gpu_give_the_single_rank_tokens(ray_cluster, tiny_model_dirs):
+    """gpus_per_rank=0.5: both ranks on one GPU, reducing through gloo (NCCL refuses a shared device)."""
+    folder = str(tiny_model_dirs["llama"])
+    args = dict(dtype="float32", device="cuda", gpu_memory_utilization=0.3)
+    expected = [o.token_ids for o in LLM(folder, show_progress=False, **args).generate(PROMPTS, GREEDY)]
+    engine = atom_ray.start(folder, tensor_parallel_size=2, gpus_per_rank=0.5, **args)
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == expected
     finally:
         engine.shutdown()
 

@@ -1,0 +1,37 @@
+"""How much memory the KV cache may take: one rank per GPU, and TP ranks sharing a GPU."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.runner import kv_cache
+
+GiB = 1 << 30
+
+
+def fake_gpu(monkeypatch, free: int, total: int, reserved: int, peak: int = 0) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: reserved + peak)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+
+
+def test_one_rank_takes_the_utilization_share_less_what_is_in_use(monkeypatch):
+    fake_gpu(monkeypatch, free=70 * GiB, total=80 * GiB, reserved=8 * GiB, peak=2 * GiB)
+    config = EngineConfig(model="x", gpu_memory_utilization=0.9)
+    assert kv_cache.kv_cache_budget_bytes(config, torch.device("cuda")) == 72 * GiB - 10 * GiB - 2 * GiB
+
+
+def test_ranks_sharing_a_gpu_split_it_even_when_both_see_it_free(monkeypatch):
+    """Both ranks size their caches at once: each sees 70 GiB free, and each must take under half."""
+    fake_gpu(monkeypatch, free=70 * GiB, total=80 * GiB, reserved=4 * GiB, peak=1 * GiB)
+    config = EngineConfig(model="x", gpu_memory_utilization=0.9)
+    each = kv_cache.kv_cache_budget_bytes(config, torch.device("cuda"), ranks_on_device=2)
+    assert each == 36 * GiB - 4 * GiB - 1 * GiB
+    assert 2 * (each + 4 * GiB + 1 * GiB) <= 72 * GiB
+
+
+def test_a_given_kv_cache_size_wins(monkeypatch):
+    fake_gpu(monkeypatch, free=1, total=2, reserved=0)
+    config = EngineConfig(model="x", kv_cache_memory_bytes=GiB)
+    assert kv_cache.kv_cache_budget_bytes(config, torch.device("cuda"), ranks_on_device=2) == GiB
