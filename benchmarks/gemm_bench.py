@@ -85,8 +85,8 @@ CONFIGS_SPLIT = [dict(block_n=32, block_k=bk, num_stages=st, num_warps=4, split=
                  for bk, st, sp in itertools.product((256, 512), (3, 4, 5), (1, 2, 3, 4, 8))]
 
 
-def _tiles(block_k: int, stages: int, split: int = 1) -> dict:
-    return dict(block_n=32, block_k=block_k, num_stages=stages, num_warps=4, split=split)
+def _tiles(block_k: int, stages: int, split: int = 1, block_n: int = 32) -> dict:
+    return dict(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=4, split=split)
 
 
 # `--tile-rules`: the layer's four GEMMs with these tiles (name -> projection -> skinny_gemm keywords;
@@ -100,6 +100,17 @@ TILE_RULES = {
     "k512-s3": {name: _tiles(512, 3) for name in ("qkv", "o", "gate_up", "down")},
     "thin-k256-s5": {"qkv": _tiles(256, 5), "o": _tiles(256, 5), "gate_up": _tiles(512, 4),
                                  "down": _tiles(512, 4)},
+    # For the half-width shapes of one TP=2 rank (fewer output tiles than multiprocessors for QKV, O, down):
+    # more, narrower programs; two programs per multiprocessor (256-wide K tiles take half the shared
+    # memory); or the thin projections' K range split over two programs.
+    "k512-s4-bn16": {name: _tiles(512, 4, block_n=16) for name in ("qkv", "o", "gate_up", "down")},
+    "thin-bn16": {"qkv": _tiles(512, 4, block_n=16), "o": _tiles(512, 4, block_n=16), "gate_up": _tiles(512, 4),
+                  "down": _tiles(512, 4, block_n=16)},
+    "k256-s3": {name: _tiles(256, 3) for name in ("qkv", "o", "gate_up", "down")},
+    "thin-split2": {"qkv": _tiles(256, 4, 2), "o": _tiles(256, 4, 2), "gate_up": _tiles(512, 4),
+                    "down": _tiles(512, 4, 2)},
+    "thin-k256-s4-bn16": {"qkv": _tiles(256, 4, block_n=16), "o": _tiles(256, 4, block_n=16),
+                          "gate_up": _tiles(512, 4), "down": _tiles(256, 4, block_n=16)},
 }
 
 

@@ -2,8 +2,8 @@
 
 Batch-1 decode (128-token prompt, 256 new tokens) of the bare engine, of atom_ray.start with TP=1 and
 with TP=2; and the teacher-forced
-agreement of TP=2 with TP=1: the top-1 token at every position of a fixed 1024-token sequence (prompt
-logprobs), in bf16 and fp32. Dummy weights are a seeded random checkpoint, so both layouts shard the same
+agreement of TP=2 with TP=1: the top-1 token at every position of fixed 1024-token sequences (prompt
+logprobs; one, or `--sequences N`), in bf16 and fp32. Dummy weights are a seeded random checkpoint, so both layouts shard the same
 model. Random weights give nearly flat logits, so bf16 rounding alone flips many top-1 choices; the script
 measures that noise floor too (TP=1 against TP=1 with the prompt prefilled in 256-token chunks, which only
 changes the order of the sums) and the top-1/top-2 logprob margin where the choices differ. With real
@@ -30,7 +30,16 @@ from benchmarks.common import environment_record, print_table
 
 PROMPT_LEN, NEW_TOKENS, TEACHER_LEN = 128, 256, 1024
 ENGINE_ARGS = dict(load_format="dummy", max_model_len=4096, max_num_seqs=8, device="cuda")
-TEACHER_PROMPT = "Once upon a time, in a small town by the sea, there lived"
+# Openings of the natural teacher sequences (`--sequences N` takes the first N; the first alone is the
+# sequence of the runs before 2026-11-23 21:00).
+TEACHER_PROMPTS = ["Once upon a time, in a small town by the sea, there lived",
+                   "The main causes of the French Revolution were",
+                   "To bake a loaf of bread at home, you will need",
+                   "Photosynthesis is the process by which plants",
+                   "Here is a short Python function that sorts a list:",
+                   "The history of the Roman Empire",
+                   "Dear Sir or Madam, I am writing to",
+                   "The three laws of motion described by Isaac Newton"]
 
 
 def decode_rate(generate) -> float:
@@ -49,16 +58,20 @@ def decode_rate(generate) -> float:
     return NEW_TOKENS / (total - prefill)
 
 
-def teacher_sequence(llm, natural: bool) -> list[int]:
-    """A fixed sequence of TEACHER_LEN token ids: random ids from the vocabulary, or the model's own text."""
+def teacher_sequences(llm, natural: bool, count: int = 1) -> list[list[int]]:
+    """`count` fixed sequences of TEACHER_LEN token ids: random ids from the vocabulary, or the model's own
+    text after each of the first `count` TEACHER_PROMPTS (sampled at temperature 0.8, seed = its index)."""
     from engine import SamplingParams
     if not natural:
-        rng = random.Random(1)
         vocab = llm.engine.source.hf_config.vocab_size
-        return [rng.randrange(1000, min(100000, vocab)) for _ in range(TEACHER_LEN)]
-    prompt = llm.get_tokenizer().encode(TEACHER_PROMPT)
-    params = SamplingParams(temperature=0.8, seed=0, max_tokens=TEACHER_LEN - len(prompt), ignore_eos=True)
-    return prompt + list(llm.generate([prompt], params)[0].token_ids)
+        return [[rng.randrange(1000, min(100000, vocab)) for _ in range(TEACHER_LEN)]
+                for rng in (random.Random(1 + i) for i in range(count))]
+    sequences = []
+    for seed, text in enumerate(TEACHER_PROMPTS[:count]):
+        prompt = llm.get_tokenizer().encode(text)
+        params = SamplingParams(temperature=0.8, seed=seed, max_tokens=TEACHER_LEN - len(prompt), ignore_eos=True)
+        sequences.append(prompt + list(llm.generate([prompt], params)[0].token_ids))
+    return sequences
 
 
 def prefill_rate(generate, length: int = 2048) -> float:
@@ -75,15 +88,16 @@ def prefill_rate(generate, length: int = 2048) -> float:
     return length / min(run() for _ in range(3))
 
 
-def top1_tokens(generate, sequence: list[int]) -> tuple[list[int], list[float]]:
-    """The top-1 token at every position of the sequence, and its logprob margin over the top-2."""
+def top1_tokens(generate, sequences: list[list[int]]) -> tuple[list[int], list[float]]:
+    """The top-1 token at every position of the sequences (one after the other), and its logprob margin
+    over the top-2."""
     from engine import SamplingParams
-    output = generate([sequence], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
     tops, margins = [], []
-    for entry in output.prompt_logprobs[1:]:
-        ranked = sorted(entry.items(), key=lambda item: item[1].rank)
-        tops.append(ranked[0][0])
-        margins.append(ranked[0][1].logprob - ranked[1][1].logprob)
+    for output in generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)):
+        for entry in output.prompt_logprobs[1:]:
+            ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+            tops.append(ranked[0][0])
+            margins.append(ranked[0][1].logprob - ranked[1][1].logprob)
     return tops, margins
 
 
@@ -92,7 +106,7 @@ def agreement(reference, other) -> dict:
     (ref_tops, ref_margins), (other_tops, _) = reference, other
     differ = [m for a, b, m in zip(ref_tops, other_tops, ref_margins) if a != b]
     ordered = sorted(ref_margins)
-    return {"agreement": 1 - len(differ) / len(ref_tops),
+    return {"agreement": 1 - len(differ) / len(ref_tops), "positions": len(ref_tops), "different": len(differ),
             "median_margin_all": ordered[len(ordered) // 2],
             "median_margin_where_different": sorted(differ)[len(differ) // 2] if differ else None}
 
@@ -137,8 +151,8 @@ def greedy_tokens(generate) -> list[int]:
 
 
 def print_agreement(results: dict) -> None:
-    print(f"teacher-forced top-1 agreement TP=2 vs TP=1 over {TEACHER_LEN - 1} positions ({results['teacher']} "
-          f"sequence): bf16 {results['teacher_forced_bfloat16']}, fp32 {results['teacher_forced_float32']}")
+    print(f"teacher-forced top-1 agreement TP=2 vs TP=1 over {results['sequences']} x {TEACHER_LEN - 1} positions "
+          f"({results['teacher']} sequences): bf16 {results['teacher_forced_bfloat16']}, fp32 {results['teacher_forced_float32']}")
     for reduce in results["tp_reduce_dtypes"][1:]:
         print(f"  bf16 with tp_reduce_dtype={reduce}: {results[f'teacher_forced_bfloat16_{reduce}']}")
     print(f"bf16 noise floor (TP=1 vs TP=1 prefilled in 256-token chunks): {results['noise_floor_bfloat16']}")
@@ -151,6 +165,8 @@ def main() -> None:
     parser.add_argument("--load-format", default="dummy", help="dummy (seeded random weights) or auto (the model's own)")
     parser.add_argument("--teacher", choices=("random", "natural"), default="random",
                         help="teacher-forced sequence: random token ids, or text the model itself wrote")
+    parser.add_argument("--sequences", type=int, default=1,
+                        help=f"teacher-forced sequences of {TEACHER_LEN} tokens (at most {len(TEACHER_PROMPTS)})")
     parser.add_argument("--agreement-only", action="store_true", help="only the teacher-forced agreement stages")
     parser.add_argument("--device", default="cuda", help="cuda; cpu runs the agreement stages with gloo")
     parser.add_argument("--tp-reduce-dtypes", default="float32",
@@ -162,6 +178,8 @@ def main() -> None:
     parser.add_argument("--step-timing-dir", default=None,
                         help="only TP=2 decode, with each rank's step timing (device time, idle gaps) written here")
     args = parser.parse_args()
+    if not 1 <= args.sequences <= len(TEACHER_PROMPTS):
+        parser.error(f"--sequences must be in 1..{len(TEACHER_PROMPTS)}")
     if args.gpus_per_rank != 1 and not args.agreement_only:
         parser.error("--gpus-per-rank below 1 measures numerics only: add --agreement-only")
     ENGINE_ARGS.update(load_format=args.load_format, device=args.device)
@@ -177,13 +195,13 @@ def main() -> None:
     from engine import LLM
 
     results = {"environment": environment_record(), "model": args.model, "engine_args": ENGINE_ARGS,
-               "teacher": args.teacher, "gpus_per_rank": args.gpus_per_rank}
+               "teacher": args.teacher, "sequences": args.sequences, "gpus_per_rank": args.gpus_per_rank}
 
     def save() -> None:  # after every stage, so a run cut short still leaves what it measured
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
     bare = LLM(args.model, dtype="bfloat16", show_progress=False, **ENGINE_ARGS)
-    sequence = teacher_sequence(bare, args.teacher == "natural")
+    sequences = teacher_sequences(bare, args.teacher == "natural", args.sequences)
     if not args.agreement_only:
         results["bare_tok_s"] = decode_rate(bare.generate)
         results["bare_prefill_tok_s"] = prefill_rate(bare.generate)
@@ -208,7 +226,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2))
         return
     chunked = LLM(args.model, dtype="bfloat16", show_progress=False, max_num_batched_tokens=256, **ENGINE_ARGS)
-    chunked_tops = top1_tokens(chunked.generate, sequence)
+    chunked_tops = top1_tokens(chunked.generate, sequences)
     del chunked
     gc.collect()
     if torch.cuda.is_available():
@@ -230,7 +248,7 @@ def main() -> None:
                     results[f"ray_tp{tp}{suffix}_tok_s"] = decode_rate(handle.generate)
                     results[f"ray_tp{tp}{suffix}_prefill_tok_s"] = prefill_rate(handle.generate)
                     save()
-                tops[(dtype, tp, suffix)] = top1_tokens(handle.generate, sequence)
+                tops[(dtype, tp, suffix)] = top1_tokens(handle.generate, sequences)
             finally:
                 handle.shutdown()
             if tp == 2:
