@@ -111,6 +111,11 @@ TILE_RULES = {
                     "down": _tiles(512, 4, 2)},
     "thin-k256-s4-bn16": {"qkv": _tiles(256, 4, block_n=16), "o": _tiles(256, 4, block_n=16),
                           "gate_up": _tiles(512, 4), "down": _tiles(256, 4, block_n=16)},
+    # More weight bytes in flight per multiprocessor (for GPUs with more bandwidth than the H100, e.g. H200).
+    "k512-s6-bn16": {name: _tiles(512, 6, block_n=16) for name in ("qkv", "o", "gate_up", "down")},
+    "k256-s7": {name: _tiles(256, 7) for name in ("qkv", "o", "gate_up", "down")},
+    "k256-s4-bn64": {name: _tiles(256, 4, block_n=64) for name in ("qkv", "o", "gate_up", "down")},
+    "k1024-s2": {name: _tiles(1024, 2) for name in ("qkv", "o", "gate_up", "down")},
 }
 
 
