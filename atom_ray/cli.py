@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "default: start a local Ray on 127.0.0.1")
     serve.add_argument("--config", default=None, help="a serve config file (applications, http_options)")
     serve.add_argument("--cpus-per-rank", type=int, default=None)
+    serve.add_argument("--gpus-per-rank", type=float, default=1.0,
+                       help="GPU share of each TP rank; 0.5 puts two ranks on a GPU (to check TP numerics; slow)")
     serve.add_argument("--max-pending-requests", type=int, default=256)
     add_engine_arguments(serve)
     serve.set_defaults(handler=run_serve)
@@ -70,6 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, address=args.address, config_path=args.config)
     app_args = {"model": args.model, "served_model_name": args.served_model_name,
                 "engine_args": engine_kwargs_from_args(args), "cpus_per_rank": args.cpus_per_rank,
+                "gpus_per_rank": args.gpus_per_rank,
                 "max_pending_requests": args.max_pending_requests}
     return serve_until_interrupted(options, app_args)
 

@@ -30,6 +30,7 @@ class AppConfig(BaseModel):
     served_model_name: str | None = None
     engine_args: dict[str, Any] = Field(default_factory=dict)
     cpus_per_rank: int | None = Field(default=None, ge=1)
+    gpus_per_rank: float = Field(default=1.0, gt=0, le=1)  # 0.5: two TP ranks per GPU (numerics checks, slow)
     accelerator_type: str | None = None  # e.g. AMD-Instinct-MI355X-OAM: ranks only on such GPUs
     placement_timeout_s: float = Field(default=600.0, gt=0)
     max_pending_requests: int = Field(default=256, ge=1)
@@ -47,6 +48,7 @@ class OpenAIServer:
         import atom_ray
         self.config = AppConfig(**config)
         self.engine = atom_ray.start(self.config.model, cpus_per_rank=self.config.cpus_per_rank,
+                                     gpus_per_rank=self.config.gpus_per_rank,
                                      accelerator_type=self.config.accelerator_type,
                                      placement_timeout_s=self.config.placement_timeout_s, **self.config.engine_args)
 

@@ -209,3 +209,11 @@ def test_atom_ray_serve_command_starts_its_own_local_ray(isolated_ray_env):
     assert f"{base}/v1" in output
     assert process.returncode == 0, output[-3000:]
     assert set(glob.glob("/tmp/arh-*")) <= haproxy_folders  # its HAProxy folder went with it
+
+
+@pytest.mark.parametrize("args, field", [({"gpus_per_rank": 2}, "gpus_per_rank"), ({"gpus_per_rank": 0}, "gpus_per_rank"),
+                                         ({"cpus_per_rank": 0}, "cpus_per_rank"), ({"tensor_parallel": 2}, "tensor_parallel")])
+def test_bad_app_args_fail_at_build_naming_the_field(args, field):
+    from deployments.serve_app import build_app
+    with pytest.raises(ValueError, match=f"(?s)invalid atom-ray app args.*{field}"):
+        build_app(args)
