@@ -24,11 +24,10 @@ class ParallelState:
     cpu_group: object | None = None
     small_all_reduce: object | None = None  # SymmetricAllReduce where the GPUs can map each other's memory
     reduce_in_fp32: bool = True  # row-parallel partial sums travel and add up in float32
-    ranks_on_device: int = 1  # ranks of the group on this rank's GPU; above 1: gloo reduces, no CUDA graphs
-
-    @property
-    def shares_device(self) -> bool:
-        return self.ranks_on_device > 1
+    ranks_on_device: int = 1  # ranks of the group on this rank's GPU (they split its memory)
+    # Some ranks of the group share a GPU, so the whole group's collectives go through gloo in host memory
+    # (the same on every rank, or their collectives would not match), and no rank captures CUDA graphs.
+    host_collectives: bool = False
 
 
 _state = ParallelState()
@@ -65,7 +64,8 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
             logging.getLogger(__name__).warning(
                 "TP ranks share a GPU (%s): all-reduces go through gloo in host memory and CUDA graphs are "
                 "off; use this to check numerics, not speed", devices)
-            _state = ParallelState(tp_rank, tp_size, cpu_group, cpu_group, None, reduce_in_fp32, ranks_on_device)
+            _state = ParallelState(tp_rank, tp_size, cpu_group, cpu_group, None, reduce_in_fp32, ranks_on_device,
+                                   host_collectives=True)
             return _state
     small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device) if backend == "nccl" else None
     _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group, small_all_reduce, reduce_in_fp32)
@@ -95,7 +95,7 @@ def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     if _state.small_all_reduce is not None and _state.small_all_reduce.fits(x):
         return _state.small_all_reduce(x)
-    if _state.shares_device:
+    if _state.host_collectives:
         host = x.cpu()
         dist.all_reduce(host, group=_state.device_group)
         return host.to(x.device)
@@ -107,7 +107,7 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _state.tp_size == 1:
         return x
     # gloo (CPU, or ranks sharing a GPU) gathers host tensors only
-    local = x.contiguous().cpu() if _state.shares_device else x.contiguous()
+    local = x.contiguous().cpu() if _state.host_collectives else x.contiguous()
     parts = [torch.empty_like(local) for _ in range(_state.tp_size)]
     dist.all_gather(parts, local, group=_state.device_group)
     return torch.cat(parts, dim=dim).to(x.device)

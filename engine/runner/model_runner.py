@@ -139,7 +139,7 @@ class ModelRunner:
             # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN.
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if (self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs
-                and not get_parallel_state().shares_device):  # gloo's collectives cannot be captured
+                and not get_parallel_state().host_collectives):  # gloo's collectives cannot be captured
             graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size, self.max_model_len,
                                   self.config.max_num_seqs, self.device)
             try:
