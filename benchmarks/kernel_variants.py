@@ -43,6 +43,7 @@ def l2_prefetch(bytes_per_row: int):
         """The skinny GEMM prefetching more of each weight row into L2 (a tuning probe)."""
         from engine.kernels.triton import gemv
         gemv.PREFETCH_BYTES_PER_ROW = bytes_per_row
+        gemv.PREFETCH_BYTES_PER_ROW_BY_DEVICE = {}
     return apply
 
 
@@ -113,6 +114,7 @@ def no_l2_prefetch() -> None:
     from engine.kernels.triton import gemv
     gemv.PREFETCH_BYTES_PER_ROW = 0
     gemv.PREFETCH_BYTES_PER_ROW_FOR = {}
+    gemv.PREFETCH_BYTES_PER_ROW_BY_DEVICE = {}
 
 
 def pdl_off() -> None:
@@ -169,7 +171,8 @@ def snapshot() -> dict:
             "attrs": [(obj, name, inspect.getattr_static(obj, name))
                       for obj, name in ((decode_attention, "decode_plan"), (decode_attention, "FUSED_DECODE"),
                                         (gemv, "PREFETCH_BYTES_PER_ROW"), (gemv, "PREFETCH_BUDGET_BYTES"),
-                                        (gemv, "PREFETCH_BYTES_PER_ROW_FOR"), (gemv, "preferred_tiles"),
+                                        (gemv, "PREFETCH_BYTES_PER_ROW_FOR"), (gemv, "PREFETCH_BYTES_PER_ROW_BY_DEVICE"),
+                                        (gemv, "preferred_tiles"),
                                         (gemv, "NUM_WARPS"),
                                         (TritonAttentionBackend, "forward"),
                                         (TritonAttentionBackend, "build_metadata"))]}

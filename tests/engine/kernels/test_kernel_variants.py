@@ -27,6 +27,7 @@ def restore(monkeypatch):
     monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW", gemv.PREFETCH_BYTES_PER_ROW)
     monkeypatch.setattr(gemv, "PREFETCH_BUDGET_BYTES", gemv.PREFETCH_BUDGET_BYTES)
     monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW_FOR", gemv.PREFETCH_BYTES_PER_ROW_FOR)
+    monkeypatch.setattr(gemv, "PREFETCH_BYTES_PER_ROW_BY_DEVICE", gemv.PREFETCH_BYTES_PER_ROW_BY_DEVICE)
     monkeypatch.setattr(gemv, "preferred_tiles", gemv.preferred_tiles)
     monkeypatch.setattr(gemv, "NUM_WARPS", gemv.NUM_WARPS)
     monkeypatch.setattr(gemv, "_fitted", {})
@@ -139,6 +140,7 @@ def test_long_decode_splits_and_prefetch_and_pdl_switches(restore):
     assert [gemv.preferred_tiles(n, k, 2, 132) for n, k in shapes] == [(256, 5, 1)] * 2 + [(512, 4, 1)] * 2
     kernel_variants.no_l2_prefetch()
     assert gemv.PREFETCH_BYTES_PER_ROW == 0 and gemv.prefetch_lines(4096, 4096, 2) == 0
+    assert gemv.PREFETCH_BYTES_PER_ROW_BY_DEVICE == {}, "a prefetch variant applies on every GPU model"
     kernel_variants.pdl_off()
     if DEVICE == "cuda":
         assert pdl.launch_options(torch.zeros(1, device="cuda")) == {"USE_PDL": False}
@@ -175,3 +177,13 @@ def test_restore_undoes_every_variant(restore):
         apply()
     kernel_variants.restore(state)
     assert _patched_state() == before
+
+
+def test_the_prefetch_per_row_is_the_gpu_models_measured_value(restore, monkeypatch):
+    monkeypatch.setattr(gemv, "_device_name", lambda index: {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}[index])
+    assert gemv.device_prefetch_bytes_per_row(torch.device("cuda", 0)) == 4096
+    assert gemv.device_prefetch_bytes_per_row(torch.device("cuda", 1)) == gemv.PREFETCH_BYTES_PER_ROW == 2048
+    assert gemv.device_prefetch_bytes_per_row(torch.device("cpu")) == 2048
+    assert gemv.prefetch_lines(6144, 4096, 2, bytes_per_row=4096) * 128 == 4096
+    kernel_variants.KERNEL_VARIANTS["l2-prefetch-2k"]()
+    assert gemv.device_prefetch_bytes_per_row(torch.device("cuda", 0)) == 2048, "the variant wins on an H200 too"
