@@ -58,8 +58,8 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     if backend == "nccl":
         devices: list = [None] * tp_size
         dist.all_gather_object(devices, device_identity(device), group=cpu_group)
-        ranks_on_device = devices.count(devices[tp_rank])
-        if len(set(devices)) < tp_size:  # every rank takes this path, so the collectives match
+        ranks_on_device, host_collectives = device_layout(devices, tp_rank)
+        if host_collectives:  # every rank takes this path, so the collectives match
             import logging
             logging.getLogger(__name__).warning(
                 "TP ranks share a GPU (%s): all-reduces go through gloo in host memory and CUDA graphs are "
@@ -70,6 +70,12 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device) if backend == "nccl" else None
     _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group, small_all_reduce, reduce_in_fp32)
     return _state
+
+
+def device_layout(devices: list[str], rank: int) -> tuple[int, bool]:
+    """For the group's GPUs by rank: how many ranks share `rank`'s GPU, and whether the group's collectives
+    must go through host memory (some ranks, not necessarily this one, share a GPU)."""
+    return devices.count(devices[rank]), len(set(devices)) < len(devices)
 
 
 def device_identity(device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""How much memory the KV cache may take: one rank per GPU, and TP ranks sharing a GPU."""
+"""How much memory the KV cache may take, and how TP ranks that share GPUs are laid out."""
 from __future__ import annotations
 
 import torch
@@ -35,3 +35,11 @@ def test_a_given_kv_cache_size_wins(monkeypatch):
     fake_gpu(monkeypatch, free=1, total=2, reserved=0)
     config = EngineConfig(model="x", kv_cache_memory_bytes=GiB)
     assert kv_cache.kv_cache_budget_bytes(config, torch.device("cuda"), ranks_on_device=2) == GiB
+
+
+def test_a_rank_with_its_own_gpu_still_reduces_on_the_host_when_others_share_one():
+    from engine.parallel.state import device_layout
+    assert device_layout(["gpu-a", "gpu-b"], 0) == (1, False)
+    assert device_layout(["gpu-a", "gpu-a"], 1) == (2, True)
+    assert device_layout(["gpu-a", "gpu-a", "gpu-b"], 2) == (1, True), "the group's collectives must match"
+    assert device_layout(["gpu-a", "gpu-a", "gpu-b"], 0) == (2, True)
