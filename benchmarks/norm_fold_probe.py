@@ -27,7 +27,7 @@ import triton.language as tl
 from benchmarks.common import environment_record, print_table
 from benchmarks.gemm_bench import projection_shapes, read_bandwidth_gbps, time_calls
 from engine.kernels.triton import gemv, ops, pdl, workspace
-from engine.kernels.triton.gemv import _prefetch_l2
+from engine.kernels.triton.gemv import _epilogue, _prefetch_l2
 from engine.kernels.triton.common import dot
 
 
@@ -44,6 +44,7 @@ def _probe_kernel(x_ptr, w_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, str
         w_index = features + (j // (BLOCK_N // 2)) * n_out
         col_mask = features < n_out
     else:
+        n_out = N
         w_index = pid * BLOCK_N + j
         col_mask = w_index < N
     rows = tl.arange(0, BLOCK_M)
@@ -69,20 +70,12 @@ def _probe_kernel(x_ptr, w_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, str
             squares += x32 * x32
     if RMS_SCALE:
         acc *= tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
-    out_dtype = y_ptr.dtype.element_ty
-    if GATED:
-        acc = acc.to(out_dtype).to(tl.float32)
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
-        cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], (silu * up).to(out_dtype),
-                 mask=(rows[:, None] < M) & (cols < n_out)[None, :])
-    else:
-        if ADD_RESIDUAL:
-            acc += tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + w_index[None, :],
-                           mask=row_mask & col_mask[None, :], other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + w_index[None, :], acc.to(out_dtype),
-                 mask=row_mask & col_mask[None, :])
+    if ADD_RESIDUAL and not GATED:
+        acc += tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + w_index[None, :],
+                       mask=row_mask & col_mask[None, :], other=0.0).to(tl.float32)
+    # The engine's store (gated: silu(gate) * up); no bias.
+    _epilogue(acc, y_ptr, y_ptr, pid, rows, M, n_out, w_index, col_mask, stride_ym,
+              False, GATED, BLOCK_M, BLOCK_N)
 
 
 def probe_gemm(x, weight, *, gated=False, rms_scale=False, residual=None, eps=1e-5):
