@@ -88,7 +88,8 @@ def probe_gemm(x, weight, *, gated=False, rms_scale=False, residual=None, eps=1e
         x, weight, res, out, m, n, k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
         GATED=gated, RMS_SCALE=rms_scale, ADD_RESIDUAL=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], num_stages=tiles["num_stages"], num_warps=tiles["num_warps"],
-        PREFETCH_LINES=gemv.PREFETCH_BYTES_PER_ROW // 128, LINE=64, **pdl.launch_options(out))
+        PREFETCH_LINES=gemv.prefetch_lines(n, k, x.element_size(), bytes_per_row=gemv.device_prefetch_bytes_per_row(x.device)),
+        LINE=64, **pdl.launch_options(out))
     return out
 
 
