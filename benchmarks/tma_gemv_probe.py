@@ -53,9 +53,8 @@ def tma_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k
     return y
 
 
-VARIANTS = [(bn, bk, st) for bn, bk, st in
-            [(32, 256, 4), (32, 256, 6), (32, 256, 8), (32, 128, 8), (32, 128, 12), (64, 256, 4), (64, 128, 8),
-             (16, 256, 8), (64, 256, 3)]]
+VARIANTS = [(32, 256, 4), (32, 256, 6), (32, 256, 8), (32, 128, 8), (32, 128, 12), (64, 256, 4), (64, 128, 8),
+            (16, 256, 8), (64, 256, 3)]  # (outputs per program, K tile, pipeline stages)
 
 
 def chain(tp: int, config: dict, read_bw: float) -> list[tuple]:
