@@ -73,9 +73,10 @@ def timed_generate(llm, prompts, params) -> float:
 
 # ---- latency ----------------------------------------------------------------------------------------------
 def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants: tuple[str, ...] = (),
-                        alternate: int = 0) -> dict:
+                        alternate: int = 0, residual_dtype: str = "auto") -> dict:
     from engine import LLM, SamplingParams
-    llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, show_progress=False)
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, show_progress=False,
+              residual_dtype=residual_dtype)
     engine = llm.engine
     runner = engine.executor.runner
 
@@ -172,7 +173,7 @@ def latency(args) -> dict:
     mean_context = 128 + new_tokens / 2
     step_bytes = facts["weight_bytes_per_step"] + facts["kv_bytes_per_token"] * mean_context
     roofline = limits["bandwidth_GBps"] * 1e9 / step_bytes
-    ours = engine_decode_rates(args.model, prompt, new_tokens, tuple(args.variant), args.alternate)
+    ours = engine_decode_rates(args.model, prompt, new_tokens, tuple(args.variant), args.alternate, args.residual_dtype)
     hf = hf_decode_rate(args.model, prompt, new_tokens) if not args.skip_hf else None
     rows = []
     cumulative = () if args.alternate else tuple(f"variant {v}" for v in args.variant)
@@ -259,7 +260,7 @@ def throughput(args) -> dict:
     prompts, output_lens = throughput_workload(config.vocab_size)
     roofline = workload_roofline(config, prompts, output_lens, limits)
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=8192, show_progress=False)
+              max_num_batched_tokens=8192, show_progress=False, residual_dtype=args.residual_dtype)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     timed_generate(llm, prompts[:64], params[:64])  # warm-up: every kind of step compiled before timing
     rows = []
@@ -344,6 +345,7 @@ def main() -> None:
     parser.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                         help="latency: time the current kernels and each variant alone in turn, ROUNDS each (instead "
                              "of the cumulative variant runs)")
+    parser.add_argument("--residual-dtype", default="auto", help="latency, throughput: the engine's residual_dtype")
     parser.add_argument("--num-requests", type=int, default=None, help="hf-throughput: only the first N requests; throughput: also time the engine on them")
     args = parser.parse_args()
     try:
@@ -352,7 +354,8 @@ def main() -> None:
         import traceback
         traceback.print_exc()
         result = {"error": repr(exc)}
-    result = {"environment": environment_record(), "model": args.model, "mode": args.mode, **result}
+    result = {"environment": environment_record(), "model": args.model, "mode": args.mode,
+              "residual_dtype": args.residual_dtype, **result}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

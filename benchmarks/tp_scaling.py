@@ -156,6 +156,7 @@ def print_agreement(results: dict) -> None:
     for reduce in results["tp_reduce_dtypes"][1:]:
         print(f"  bf16 with tp_reduce_dtype={reduce}: {results[f'teacher_forced_bfloat16_{reduce}']}")
     print(f"bf16 noise floor (TP=1 vs TP=1 prefilled in 256-token chunks): {results['noise_floor_bfloat16']}")
+    print(f"TP=1 bf16 against TP=1 fp32: {results['tp1_bfloat16_vs_float32']}")
 
 
 def main() -> None:
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda; cpu runs the agreement stages with gloo")
     parser.add_argument("--tp-reduce-dtypes", default="float32",
                         help="comma-separated tp_reduce_dtype values to run TP=2 with (the first is the headline)")
+    parser.add_argument("--residual-dtype", default="auto", help="the engines' residual_dtype (auto, float32, model)")
     parser.add_argument("--gpus-per-rank", type=float, default=1.0,
                         help="0.5 runs TP=2 on one GPU (ranks reduce through host memory): agreement only")
     parser.add_argument("--ray-tp1-only", action="store_true",
@@ -182,7 +184,7 @@ def main() -> None:
         parser.error(f"--sequences must be in 1..{len(TEACHER_PROMPTS)}")
     if args.gpus_per_rank != 1 and not args.agreement_only:
         parser.error("--gpus-per-rank below 1 measures numerics only: add --agreement-only")
-    ENGINE_ARGS.update(load_format=args.load_format, device=args.device)
+    ENGINE_ARGS.update(load_format=args.load_format, device=args.device, residual_dtype=args.residual_dtype)
     if args.step_timing_dir:
         step_timing(args)
         return
@@ -200,7 +202,10 @@ def main() -> None:
     def save() -> None:  # after every stage, so a run cut short still leaves what it measured
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
-    bare = LLM(args.model, dtype="bfloat16", show_progress=False, **ENGINE_ARGS)
+    # With --agreement-only the bare engine only writes the teacher text: always with a bf16 residual stream
+    # (as before residual_dtype existed), so that every run scores the same sequences.
+    bare_args = {**ENGINE_ARGS, "residual_dtype": "model"} if args.agreement_only else ENGINE_ARGS
+    bare = LLM(args.model, dtype="bfloat16", show_progress=False, **bare_args)
     sequences = teacher_sequences(bare, args.teacher == "natural", args.sequences)
     if not args.agreement_only:
         results["bare_tok_s"] = decode_rate(bare.generate)
@@ -256,6 +261,7 @@ def main() -> None:
                 results[f"teacher_forced_agreement_{dtype}{suffix}"] = results[f"teacher_forced_{dtype}{suffix}"]["agreement"]
                 save()
     results["noise_floor_bfloat16"] = agreement(tops[("bfloat16", 1, "")], chunked_tops)
+    results["tp1_bfloat16_vs_float32"] = agreement(tops[("float32", 1, "")], tops[("bfloat16", 1, "")])
     save()
     ray.shutdown()
     if args.agreement_only:

@@ -8,6 +8,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 KERNEL_BACKENDS = ("auto", "torch", "triton", "aiter")
 TP_REDUCE_DTYPES = ("auto", "float32", "model")
+RESIDUAL_DTYPES = ("auto", "float32", "model")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -39,6 +40,10 @@ class EngineConfig:
     # rounds its sum, or in the activations' dtype ("model": half the bytes, one more rounding per rank).
     # "auto": float32 on GPUs (their BLAS writes float32 directly), the model's dtype on CPU.
     tp_reduce_dtype: str = "auto"
+    # The residual stream (the running sum that each attention and MLP block adds to) in float32, or in the
+    # activations' dtype ("model"; also "auto"). float32 brings half-precision logits closer to float32 ones
+    # and TP=2's greedy tokens closer to TP=1's, at a small cost in speed: see docs/ARCHITECTURE.md.
+    residual_dtype: str = "auto"
     hf_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -48,6 +53,7 @@ class EngineConfig:
         self._check(self.kernel_backend in KERNEL_BACKENDS, "kernel_backend", f"must be one of {KERNEL_BACKENDS}")
         self._check(self.device in DEVICES, "device", f"must be one of {DEVICES}")
         self._check(self.tp_reduce_dtype in TP_REDUCE_DTYPES, "tp_reduce_dtype", f"must be one of {TP_REDUCE_DTYPES}")
+        self._check(self.residual_dtype in RESIDUAL_DTYPES, "residual_dtype", f"must be one of {RESIDUAL_DTYPES}")
         self._positive_int("max_num_seqs")
         self._positive_int("block_size")
         self._positive_int("tensor_parallel_size")

@@ -83,3 +83,18 @@ def hf_model(folder: Path):
 def hf_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(folder)(torch.tensor([token_ids])).logits[0].float()
+
+
+def engine_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Our built model's (engine.loader.build_model) logits for every position of one sequence: a single
+    cache-less prefill on the CPU."""
+    from engine.forward_context import forward_context
+    from engine.kernels.attention import CommonAttentionMetadata
+    n = len(token_ids)
+    metadata = CommonAttentionMetadata(
+        num_seqs=1, num_decodes=0, num_tokens=n, query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32), block_table=torch.zeros(1, 1, dtype=torch.int32),
+        slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n],
+        seq_lens_cpu=[n], num_computed_tokens_cpu=[0])
+    with torch.inference_mode(), forward_context(metadata, 16):
+        return model.compute_logits(model(torch.tensor(token_ids), torch.arange(n)))

@@ -19,9 +19,10 @@ logger = logging.getLogger(__name__)
 OPS = (
     "gemm",                 # (x, weight[N,K], bias|None) -> x @ weight.T + bias
     "gemm_float32",         # (x, weight[N,K]) -> x @ weight.T in float32, unrounded (TP partial sums, logits)
-    "rms_norm",             # (x, weight, eps) -> normalised x
-    "fused_add_rms_norm",   # (x, residual, weight, eps) -> (normalised x + residual, x + residual); an x in
-                            #   float32 (a reduced partial sum) is first rounded to the residual's dtype
+    "rms_norm",             # (x, weight, eps) -> normalised x, in the weight's dtype
+    "fused_add_rms_norm",   # (x, residual, weight, eps) -> (normalised x + residual in the weight's dtype,
+                            #   x + residual in the residual's dtype); x (possibly a float32 reduced sum) is
+                            #   first rounded to the weight's dtype, as one device's GEMM rounds its output
     "rotary_embedding",     # (positions, q, k, cos_sin_cache, is_neox) -> (q, k), may be in place
     "silu_and_mul",         # (x[..., 2I]) -> silu(x[..., :I]) * x[..., I:]
     "gated_gemm",           # (x, weight[2I,K], bias|None) -> silu_and_mul(gemm(x, weight, bias)): the MLP's gate/up

@@ -25,10 +25,11 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                show_progress: bool = True) -> nn.Module:
+                show_progress: bool = True, residual_dtype: torch.dtype | None = None) -> nn.Module:
+    """`residual_dtype`: the residual stream's dtype (default: `dtype`)."""
     model_class = model_class_for(source.hf_config)
     with _default_dtype(dtype), torch.device(device):
-        model = model_class(source.hf_config)
+        model = model_class(source.hf_config, residual_dtype=residual_dtype or dtype)
     model.eval()
     if source.format == "dummy":
         names_and_shapes = dummy_checkpoint_layout(source.hf_config)

@@ -64,16 +64,23 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    """`residual_dtype` float32: the stream that the attention and MLP outputs add to stays float32
+    between layers (see ops.fused_add_rms_norm); the GEMMs' inputs and outputs stay in the activations'
+    dtype."""
+
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.residual_dtype = residual_dtype  # None: the activations' dtype
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        if residual is None:  # the first layer: the stream starts at the embedding
+            residual = hidden_states if self.residual_dtype is None else hidden_states.to(self.residual_dtype)
+            hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
@@ -82,10 +89,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm)
+        if residual_dtype == torch.get_default_dtype():  # the activations' dtype (the default dtype here)
+            residual_dtype = None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, residual_dtype)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -107,11 +117,11 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
         bias = getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, **self.attention_flags(config, bias))
+        self.model = LlamaModel(config, **self.attention_flags(config, bias), residual_dtype=residual_dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -23,7 +23,7 @@ from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
 from engine.loader import ModelSource, build_model
 from engine.parallel import get_parallel_state
 from engine.runner.cuda_graphs import DecodeGraphs
-from engine.runner.device import resolve_dtype
+from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import kv_cache_budget_bytes
 
@@ -77,7 +77,8 @@ class ModelRunner:
         self.kernel_backend = kernels.activate(config.kernel_backend, device)
         self.attn_backend = self.kernel_backend.attention
         torch.manual_seed(config.seed)
-        self.model = build_model(source, self.dtype, device, config.seed, show_progress)
+        self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
+        self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
@@ -87,8 +88,8 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None  # device ids of the latest step, for pending tokens
         self._step = 0
         self._unresolved: deque[PendingOutput] = deque()  # launched steps whose ids are not recorded yet
-        logger.info("model loaded: %s, dtype %s, device %s, kernels %s", type(self.model).__name__,
-                    self.dtype, device, self.kernel_backend.name)
+        logger.info("model loaded: %s, dtype %s (residual stream %s), device %s, kernels %s",
+                    type(self.model).__name__, self.dtype, self.residual_dtype, device, self.kernel_backend.name)
 
     @property
     def uses_cuda(self) -> bool:

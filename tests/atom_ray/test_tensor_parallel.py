@@ -80,22 +80,32 @@ def top1_at_every_position(generate, token_ids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def single_rank_bf16_top1():
-    """The teacher text's token ids and the single-process bf16 engine's top-1 token at every position."""
-    single = LLM("smollm2-135m", dtype="bfloat16", show_progress=False)
-    token_ids = single.get_tokenizer().encode(TEACHER_TEXT)
-    return token_ids, top1_at_every_position(single.generate, token_ids)
+    """For a residual_dtype: the teacher text's token ids and the single-process bf16 engine's top-1 token at
+    every position."""
+    cache = {}
+
+    def top1(residual_dtype: str):
+        if residual_dtype not in cache:
+            single = LLM("smollm2-135m", dtype="bfloat16", residual_dtype=residual_dtype, show_progress=False)
+            token_ids = single.get_tokenizer().encode(TEACHER_TEXT)
+            cache[residual_dtype] = token_ids, top1_at_every_position(single.generate, token_ids)
+        return cache[residual_dtype]
+    return top1
 
 
-@pytest.mark.parametrize("reduce_dtype", ["float32", "model"])
-def test_tp2_in_bf16_follows_one_rank_on_real_weights(ray_cluster, single_rank_bf16_top1, reduce_dtype):
+@pytest.mark.parametrize("reduce_dtype, residual_dtype", [("float32", "auto"), ("model", "auto"),
+                                                          ("float32", "float32")])
+def test_tp2_in_bf16_follows_one_rank_on_real_weights(ray_cluster, single_rank_bf16_top1, reduce_dtype,
+                                                      residual_dtype):
     """bf16 TP=2 on SmolLM2's real weights, with the row-parallel sums added in float32 (rounded once) or
-    in bf16: the teacher-forced top-1 token agrees with the single-process engine almost everywhere. Not
-    everywhere: on CPU the logits are bf16, where top candidates often tie exactly (a logit near 16 moves
-    in steps of 0.125) and any change in the last bit decides the tie (2x H200, float32 logits: see
-    docs/BENCHMARKS.md)."""
-    token_ids, expected = single_rank_bf16_top1
+    in bf16, and with a float32 residual stream: the teacher-forced top-1 token agrees with the
+    single-process engine almost everywhere. Not everywhere: on CPU the logits are bf16, where top
+    candidates often tie exactly (a logit near 16 moves in steps of 0.125) and any change in the last bit
+    decides the tie (float32 logits on GPUs: see docs/BENCHMARKS.md)."""
+    token_ids, expected = single_rank_bf16_top1(residual_dtype)
     assert len(token_ids) > 150
-    engine = atom_ray.start("smollm2-135m", tensor_parallel_size=2, dtype="bfloat16", tp_reduce_dtype=reduce_dtype)
+    engine = atom_ray.start("smollm2-135m", tensor_parallel_size=2, dtype="bfloat16", tp_reduce_dtype=reduce_dtype,
+                            residual_dtype=residual_dtype)
     try:
         actual = top1_at_every_position(engine.generate, token_ids)
     finally:

@@ -13,6 +13,7 @@ from engine.loader import ModelSourceError
     ("dtype", "float64"), ("block_size", 0), ("block_size", 24), ("max_num_seqs", -1), ("load_format", "pt"),
     ("gpu_memory_utilization", 1.5), ("kernel_backend", "cuda"), ("tensor_parallel_size", 0),
     ("enable_prefix_caching", "yes"), ("num_kv_blocks", 0), ("max_model_len", 2.5), ("device", "tpu"),
+    ("tp_reduce_dtype", "bfloat16"), ("residual_dtype", "bfloat16"),
 ])
 def test_invalid_engine_config_names_the_field(field, value):
     with pytest.raises(ConfigError, match=rf"EngineConfig\.{field}"):

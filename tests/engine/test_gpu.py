@@ -33,13 +33,15 @@ def hf_logprobs(model, sequence) -> torch.Tensor:
         return model(torch.tensor([sequence], device="cuda")).logits[0].float().log_softmax(-1)
 
 
+@pytest.mark.parametrize("residual_dtype", ["auto", "float32"])
 @pytest.mark.parametrize("arch", list(tiny_models.ARCHITECTURES))
-def test_triton_backend_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(arch, tiny_model_dirs):
+def test_triton_backend_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(arch, residual_dtype, tiny_model_dirs):
     """bf16 tolerance, as transformers itself defines it: teacher-forced along the fp32 model's own greedy
     continuations, our bf16 run may differ from fp32 about as much as transformers' bf16 run does, in
     log-probabilities and in its top-1 token at each position."""
     folder = tiny_model_dirs[arch]
-    llm = LLM(str(folder), dtype="bfloat16", kernel_backend="triton", show_progress=False)
+    llm = LLM(str(folder), dtype="bfloat16", kernel_backend="triton", residual_dtype=residual_dtype,
+              show_progress=False)
     exact_model, hf_bf16 = hf_on_gpu(folder, torch.float32), hf_on_gpu(folder, torch.bfloat16)
     sequences = [prompt + hf_greedy(exact_model, prompt) for prompt in PROMPTS]
     ours_out = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
@@ -75,6 +77,17 @@ def test_graph_replay_gives_the_eager_tokens(arch, table_copy, tiny_model_dirs, 
     assert graphs.engine.executor.runner.graphs is not None
     eager = LLM(folder, dtype="float32", kernel_backend="triton", enforce_eager=True, show_progress=False)
     assert eager.engine.executor.runner.graphs is None
+    assert [o.token_ids for o in graphs.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+
+
+def test_float32_residual_stream_gives_the_eager_tokens_in_graphs(tiny_model_dirs):
+    """bf16 with residual_dtype float32: CUDA-graph replay (float32 sums out of the skinny GEMM, a float32
+    stream through the fused norms) gives the eager run's tokens."""
+    folder = str(tiny_model_dirs["llama"])
+    args = dict(dtype="bfloat16", kernel_backend="triton", residual_dtype="float32", show_progress=False)
+    graphs, eager = LLM(folder, **args), LLM(folder, enforce_eager=True, **args)
+    assert graphs.engine.executor.runner.graphs is not None
     assert [o.token_ids for o in graphs.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
 

@@ -7,8 +7,6 @@ import torch
 
 import tiny_models
 from engine import LLM, LLMEngine, EngineConfig, SamplingParams
-from engine.forward_context import forward_context
-from engine.kernels.attention import CommonAttentionMetadata
 from engine.loader import build_model, resolve_model
 
 ARCHS = list(tiny_models.ARCHITECTURES)
@@ -33,15 +31,7 @@ def test_batched_greedy_tokens_equal_transformers_generate(arch, llms, tiny_mode
 def _model_logits(folder, token_ids):
     """Our model's logits for every position of one sequence (a single cache-less prefill)."""
     model = build_model(resolve_model(str(folder)), torch.float32, torch.device("cpu"), show_progress=False)
-    n = len(token_ids)
-    metadata = CommonAttentionMetadata(
-        num_seqs=1, num_decodes=0, num_tokens=n, query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32), block_table=torch.zeros(1, 1, dtype=torch.int32),
-        slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n],
-        seq_lens_cpu=[n], num_computed_tokens_cpu=[0])
-    with torch.inference_mode(), forward_context(metadata, 16):
-        hidden = model(torch.tensor(token_ids), torch.arange(n))
-        return model.compute_logits(hidden)
+    return tiny_models.engine_logits(model, token_ids)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -51,6 +41,33 @@ def test_prompt_logits_within_1e_4_of_transformers(arch, tiny_model_dirs):
     reference = tiny_models.hf_logits(tiny_model_dirs[arch], prompt)
     assert ours.shape == reference.shape
     assert (ours - reference).abs().max().item() < 1e-4
+
+
+def test_float32_residual_stream_between_bf16_layers(tiny_model_dirs):
+    """residual_dtype float32 in a bf16 model: the stream between layers is float32, and every GEMM still
+    takes and gives bf16."""
+    model = build_model(resolve_model(str(tiny_model_dirs["qwen2"])), torch.bfloat16, torch.device("cpu"),
+                        show_progress=False, residual_dtype=torch.float32)
+    seen = {}
+
+    def record(name):
+        def hook(module, inputs, output):
+            seen.setdefault(name, set()).add(inputs[0].dtype)
+            for value in output if isinstance(output, tuple) else (output,):
+                seen.setdefault(name + " out", set()).add(value.dtype)
+        return hook
+    for name, module in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ("qkv_proj", "o_proj", "mlp", "down_proj", "post_attention_layernorm"):
+            module.register_forward_hook(record(kind))
+    for layer in model.model.layers:
+        layer.register_forward_hook(record("layer"))
+    logits = tiny_models.engine_logits(model, list(range(3, 40)))
+    assert torch.isfinite(logits).all()
+    assert seen["qkv_proj"] == seen["mlp"] == seen["o_proj"] == seen["down_proj"] == {torch.bfloat16}
+    assert seen["o_proj out"] == seen["down_proj out"] == {torch.bfloat16}
+    assert seen["post_attention_layernorm out"] == {torch.bfloat16, torch.float32}  # (normalised, stream)
+    assert seen["layer out"] == {torch.bfloat16, torch.float32}  # (the MLP's output, the stream)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -46,14 +46,17 @@ def _mm_takes_out_dtype() -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in float32, the normalised value rounded to the input dtype before the weight
-    # (transformers' order), in one fused op.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    # Statistics in float32, the normalised value rounded to the activations' dtype (the weight's) before
+    # the weight (transformers' order), in one fused op. Only a float32 residual stream makes x's dtype
+    # differ from it.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(weight.dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x.to(residual.dtype) + residual
+    # x, an activation or a float32 all-reduced sum, is rounded to the activations' dtype (the weight's) as
+    # one device's GEMM rounds its output, then added in the residual's dtype (float32 or the same).
+    residual = x.to(weight.dtype).to(residual.dtype) + residual
     return rms_norm(residual, weight, eps), residual
 
 

@@ -56,15 +56,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, n, i
         mask = row_mask[:, None] & (cols < n)
         x = tl.load(x_ptr + x_rows + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            # x (possibly a float32 partial sum) is rounded to the residual's dtype, and so is the sum, before
-            # the statistics, as `x.to(residual.dtype) + residual` is in torch.
-            x = x.to(res_ptr.dtype.element_ty)
-            x = (x.to(tl.float32) + tl.load(res_ptr + r_rows + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            # x (possibly a float32 all-reduced sum) is rounded to the activations' dtype (the weight's), and
+            # the sum to the residual's, before the statistics, as in the torch reference.
+            x = x.to(w_ptr.dtype.element_ty).to(tl.float32)
+            x = (x + tl.load(res_ptr + r_rows + cols, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
             tl.store(res_out_ptr + out_rows + cols, x, mask=mask)
         x32 = x.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / n + eps)
         w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
-        y = (x32 * rstd[:, None]).to(x.dtype).to(tl.float32) * w
+        y = (x32 * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32) * w
         tl.store(out_ptr + out_rows + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         total = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
@@ -72,9 +72,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, n, i
             mask = row_mask[:, None] & (start + cols < n)
             x = tl.load(x_ptr + x_rows + start + cols, mask=mask, other=0.0)
             if HAS_RESIDUAL:
-                x = x.to(res_ptr.dtype.element_ty)
-                x = (x.to(tl.float32)
-                     + tl.load(res_ptr + r_rows + start + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+                x = x.to(w_ptr.dtype.element_ty).to(tl.float32)
+                x = (x + tl.load(res_ptr + r_rows + start + cols, mask=mask, other=0.0).to(tl.float32)
+                     ).to(res_ptr.dtype.element_ty)
                 tl.store(res_out_ptr + out_rows + start + cols, x, mask=mask)
             x32 = x.to(tl.float32)
             total += x32 * x32
@@ -88,7 +88,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, n, i
             else:
                 x = tl.load(x_ptr + x_rows + start + cols, mask=mask, other=0.0)
             w = tl.load(w_ptr + start + cols, mask=start + cols < n, other=0.0).to(tl.float32)
-            y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w
+            y = (x.to(tl.float32) * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32) * w
             tl.store(out_ptr + out_rows + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,7 +98,8 @@ def _launch_rms_norm(x, residual, weight, eps):
     rows_r = _as_rows(residual) if residual is not None else rows_x
     num_rows = rows_x.shape[0] * rows_x.shape[1]
     dtype = residual.dtype if residual is not None else x.dtype  # a float32 x with a residual takes its dtype
-    out = torch.empty(x.shape, dtype=torch.promote_types(dtype, weight.dtype), device=x.device)
+    # The normalised output is in the activations' dtype (the weight's), also from a float32 residual stream.
+    out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=dtype, device=x.device) if residual is not None else out
     if num_rows == 0:
         return out, res_out
@@ -121,9 +122,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One kernel: reads x and residual once, writes norm(x + residual) and x + residual (fresh tensors,
-    so callers that keep the inputs are safe). A float32 x (a row-parallel sum) is rounded to the residual's
-    dtype first, as the torch reference does."""
-    assert x.shape == residual.shape and x.dtype in (residual.dtype, torch.float32), (
+    so callers that keep the inputs are safe). x, possibly a float32 row-parallel sum, is rounded to the
+    activations' dtype (the weight's) first and added in the residual's dtype, as the torch reference does."""
+    assert x.shape == residual.shape and (x.dtype == residual.dtype or torch.float32 in (x.dtype, residual.dtype)), (
         x.shape, residual.shape, x.dtype, residual.dtype)
     return _launch_rms_norm(x, residual, weight, eps)
 

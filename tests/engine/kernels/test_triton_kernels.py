@@ -101,6 +101,32 @@ def test_fused_add_rms_norm_rounds_a_float32_sum_to_the_residuals_dtype(dtype, h
         torch.testing.assert_close(normed, rounded_first[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hidden", [256, 40000])
+@pytest.mark.parametrize("x_dtype", ["float32", "model"])
+def test_fused_add_rms_norm_keeps_a_float32_residual_stream(dtype, hidden, x_dtype):
+    """A float32 residual stream (residual_dtype="float32"): x, a float32 all-reduced sum or an activation,
+    is rounded to the activations' dtype as one GPU's GEMM output is, then added in float32; the stream
+    stays float32 and the normalised output is in the activations' dtype."""
+    x = randn(5, hidden, dtype=torch.float32 if x_dtype == "float32" else dtype)
+    residual, weight = randn(5, hidden), randn(hidden, dtype=dtype)
+    normed, summed = ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    expected_normed, expected_sum = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert summed.dtype == torch.float32 and normed.dtype == dtype
+    assert_close_to_scale(normed, expected_normed, dtype)
+    if ON_GPU or x_dtype == "model":  # bit for bit (the interpreter truncates float32 -> bf16, not rounds)
+        torch.testing.assert_close(summed, x.to(dtype).float() + residual, rtol=0, atol=0)
+        torch.testing.assert_close(expected_sum, summed, rtol=0, atol=0)
+    else:
+        assert_close_to_scale(summed, expected_sum, dtype)
+    if ON_GPU and hidden <= 4096:  # bit for bit where a row is one pass (longer rows sum their squares in
+        # chunks, in another order than torch)
+        torch.testing.assert_close(normed, expected_normed, rtol=0, atol=0)
+    alone = ops.rms_norm(summed, weight, 1e-5)  # the first layer's norm of a float32 stream, unfused
+    assert alone.dtype == dtype
+    assert_close_to_scale(alone, reference.rms_norm(summed, weight, 1e-5), dtype)
+
+
 def test_rms_norm_of_rows_longer_than_one_pass():
     x, residual, weight = randn(3, 40000), randn(3, 40000), randn(40000)
     assert_matches(ops.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), torch.float32)
