@@ -69,12 +69,12 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=256, help="prompt tokens of each sequence")
+    parser.add_argument("--residual-dtype", default="auto", help="the engine's residual_dtype")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from engine import LLM, SamplingParams
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=max(8, args.batch),
-              show_progress=False)
+              max_num_seqs=max(8, args.batch), residual_dtype=args.residual_dtype, show_progress=False)
     engine, runner = llm.engine, llm.engine.executor.runner
     facts = model_facts(engine.source.hf_config)
     for i in range(args.batch):

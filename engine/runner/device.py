@@ -47,5 +47,5 @@ def resolve_dtype(requested: str, hf_config, device: torch.device) -> torch.dtyp
 
 def resolve_residual_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
     """The residual stream's dtype: "float32", or the model's ("model", and "auto": a float32 stream costs
-    about 1 % of batch-1 decode and 5 % of offline throughput on an H100, see docs/BENCHMARKS.md)."""
+    1-2 % of batch-1 decode and 5 % of offline throughput on an H100, see docs/BENCHMARKS.md)."""
     return torch.float32 if requested == "float32" else model_dtype
