@@ -71,7 +71,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.residual_dtype = residual_dtype  # None: the activations' dtype
+        self.residual_dtype = residual_dtype  # None: the embedding's (the activations') dtype
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -79,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden_states, residual):
         if residual is None:  # the first layer: the stream starts at the embedding
-            residual = hidden_states if self.residual_dtype is None else hidden_states.to(self.residual_dtype)
+            residual = hidden_states.to(self.residual_dtype or hidden_states.dtype)  # no copy if the same
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
@@ -93,8 +93,6 @@ class LlamaModel(nn.Module):
                  residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        if residual_dtype == torch.get_default_dtype():  # the activations' dtype (the default dtype here)
-            residual_dtype = None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, residual_dtype)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -8,12 +8,15 @@ collectives cannot be captured). That is for checking TP numerics on a one-GPU m
 sums are the same (a two-rank sum rounds once whichever library adds it), the time is not."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from engine.parallel.symmetric_all_reduce import SymmetricAllReduce
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,8 +63,7 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
         dist.all_gather_object(devices, device_identity(device), group=cpu_group)
         ranks_on_device, host_collectives = device_layout(devices, tp_rank)
         if host_collectives:  # every rank takes this path, so the collectives match
-            import logging
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "TP ranks share a GPU (%s): all-reduces go through gloo in host memory and CUDA graphs are "
                 "off; use this to check numerics, not speed", devices)
             _state = ParallelState(tp_rank, tp_size, cpu_group, cpu_group, None, reduce_in_fp32, ranks_on_device,
