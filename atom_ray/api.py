@@ -7,7 +7,7 @@ import threading
 from typing import AsyncIterator, Sequence
 
 from engine.config import EngineConfig
-from engine.llm_engine import InvalidRequestError
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 

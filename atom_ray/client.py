@@ -14,7 +14,7 @@ import threading
 import uuid
 from typing import AsyncIterator
 
-from engine.async_llm import EngineDeadError
+from engine.errors import EngineDeadError
 from engine.outputs import CompletionOutput, RequestOutput, drain_merged
 from engine.sampling_params import SamplingParams
 

@@ -9,7 +9,8 @@ import threading
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.engine_loop import EngineDeadError, EngineLoop
+from engine.engine_loop import EngineLoop
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, drain_merged
 from engine.sampling_params import SamplingParams
@@ -24,7 +25,8 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._loop = EngineLoop(lambda: engine, self._publish, self._fail_all)
+        self._loop = EngineLoop(lambda: engine, self._publish, self._fail_all,
+                                step_timeout_s=engine.config.step_timeout_s)
         self._loop.built.result()
 
     @classmethod
@@ -51,8 +53,8 @@ class AsyncLLM:
         try:
             await asyncio.wrap_future(self._loop.add(request_id, prompt, params))  # a refusal is raised here
         except BaseException:
-            with self._lock:
-                self._streams.pop(request_id, None)
+            # Refused, or the caller was cancelled: a request the engine took just before is stopped again.
+            self.abort(request_id)
             raise
         finished = False
         try:
@@ -62,6 +64,8 @@ class AsyncLLM:
                     raise EngineDeadError(f"the engine failed: {item!r}") from item
                 item = drain_merged(stream, item)  # a slow reader gets one output per read, not a backlog
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return

@@ -23,7 +23,12 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    # Tokens per step (decodes first, then prefill chunks). None: per device, 8192 on GPUs and 512 on CPU,
+    # where a step of 8192 prompt tokens would stall every running stream for a minute.
     max_num_batched_tokens: int | None = None
+    # A prefill with more tokens left than this is "long": decodes and short prefills go first each step,
+    # and the oldest long prefill keeps this many tokens of the budget. None: half of max_num_batched_tokens.
+    long_prefill_token_threshold: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -44,6 +49,9 @@ class EngineConfig:
     # activations' dtype ("model"; also "auto"). float32 brings half-precision logits closer to float32 ones
     # and TP=2's greedy tokens closer to TP=1's, at a small cost in speed: see docs/ARCHITECTURE.md.
     residual_dtype: str = "auto"
+    # The step watchdog: a step may run this many seconds longer than twice the slowest step so far (the
+    # first, which may compile kernels, four times this) before the engine is declared dead. 0: no watchdog.
+    step_timeout_s: float = 30.0
     hf_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,6 +67,7 @@ class EngineConfig:
         self._positive_int("tensor_parallel_size")
         self._optional_positive_int("max_model_len")
         self._optional_positive_int("max_num_batched_tokens")
+        self._optional_positive_int("long_prefill_token_threshold")
         self._optional_positive_int("num_kv_blocks")
         self._optional_positive_int("kv_cache_memory_bytes")
         self._check(self.block_size <= 1024 and self.block_size & (self.block_size - 1) == 0,
@@ -67,6 +76,9 @@ class EngineConfig:
                     and 0.0 < self.gpu_memory_utilization <= 1.0,
                     "gpu_memory_utilization", "must be a number in (0, 1]")
         self._check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "must be an integer")
+        self._check(isinstance(self.step_timeout_s, (int, float)) and not isinstance(self.step_timeout_s, bool)
+                    and 0 <= self.step_timeout_s < float("inf"), "step_timeout_s",
+                    "must be a number of seconds >= 0 (0 turns the watchdog off)")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             self._check(isinstance(getattr(self, name), bool), name, "must be true or false")
         self._check(isinstance(self.hf_overrides, dict), "hf_overrides", "must be a mapping")
@@ -76,6 +88,9 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({self.max_model_len}) with enable_chunked_prefill=False: long prompts could never be "
                 "scheduled. Raise max_num_batched_tokens or enable chunked prefill.")
+        if self.long_prefill_token_threshold is not None and not self.enable_chunked_prefill:
+            raise ConfigError("long_prefill_token_threshold needs enable_chunked_prefill: without it a prompt "
+                              "is prefilled whole")
 
     @classmethod
     def field_names(cls) -> list[str]:

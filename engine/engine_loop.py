@@ -1,10 +1,16 @@
 """One thread owns an LLMEngine: it builds the engine, runs its step loop, and takes commands (add, abort)
 from other threads through a queue between steps, so no caller ever waits behind a lock for a step to end.
 
-What each step produces goes to `publish`, called on the step thread with the step's outputs; a failed
-step goes to `fail`. The in-process asyncio front (AsyncLLM) and the Ray coordinator differ only there.
-The engine is built on the step thread itself, so that everything the engine does on a GPU (loading,
-graph capture, steps) runs on one thread with one current device.
+What each step produces goes to `publish`, called on the step thread with the step's outputs; an engine
+that dies (a step raised, or overran the watchdog) goes to `fail`, once. The in-process asyncio front
+(AsyncLLM) and the Ray coordinator differ only there. The engine is built on the step thread itself, so
+that everything the engine does on a GPU (loading, graph capture, steps) runs on one thread with one
+current device.
+
+The watchdog: a step may run `step_timeout_s` longer than twice the slowest step so far (the first step,
+which may compile kernels, gets four times `step_timeout_s`). Past that, a rank or a collective is taken
+to hang: the engine is declared dead, its requests fail, and the stuck thread is left behind (a Python
+thread cannot be stopped; the process that owns it is replaced by whoever supervises it).
 """
 from __future__ import annotations
 
@@ -12,30 +18,38 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import Callable
 
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["EngineLoop", "EngineDeadError"]
 
-class EngineDeadError(RuntimeError):
-    """The engine's step loop failed or stopped; no request can be served any more."""
+FIRST_STEP_ALLOWANCE = 4  # the first step's limit, in step_timeout_s
 
 
 class EngineLoop:
     def __init__(self, build_engine: Callable[[], LLMEngine], publish: Callable[[list[RequestOutput]], None],
-                 fail: Callable[[BaseException], None], name: str = "engine-step-loop") -> None:
+                 fail: Callable[[BaseException], None], name: str = "engine-step-loop",
+                 step_timeout_s: float | None = None) -> None:
         self._publish, self._fail = publish, fail
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._work = threading.Event()
         self._built: concurrent.futures.Future = concurrent.futures.Future()
+        self._dead_lock = threading.Lock()
         self.engine: LLMEngine | None = None
         self.error: BaseException | None = None
         self._stats: dict = {}
         self._stopped = False
+        self._step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # monotonic start of the running step
+        self._slowest_step_s = 0.0
+        self._steps_done = 0
         self._thread = threading.Thread(target=self._main, args=(build_engine,), name=name, daemon=True)
         self._thread.start()
 
@@ -49,7 +63,8 @@ class EngineLoop:
         return self.engine is not None and self.error is None and not self._stopped
 
     def add(self, request_id: str, prompt, params: SamplingParams) -> concurrent.futures.Future:
-        """Queue a request; the future resolves when the engine took it, or raises why it refused it."""
+        """Queue a request; the future resolves when the engine took it, or raises why it refused it. A
+        caller that cancels the future before the engine takes the request withdraws it."""
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", request_id, prompt, params, accepted))
         return accepted
@@ -68,11 +83,28 @@ class EngineLoop:
         self._work.set()
         self._thread.join(timeout=timeout_s)
 
+    def step_limit_s(self) -> float | None:
+        """How long the running step may take before the watchdog declares the engine dead."""
+        if not self._step_timeout_s:
+            return None
+        if self._steps_done == 0:
+            return FIRST_STEP_ALLOWANCE * self._step_timeout_s
+        return self._step_timeout_s + 2 * self._slowest_step_s
+
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._work.set()
-        if not self._thread.is_alive():  # the loop has exited: nobody will take the command
+        if self.error is not None or not self._thread.is_alive():  # nobody will take the command
             self._refuse_pending_commands()
+
+    def _die(self, exc: BaseException) -> None:
+        """Declare the engine dead (once): refuse what is queued and tell `fail`."""
+        with self._dead_lock:
+            if self.error is not None:
+                return
+            self.error = exc
+        self._refuse_pending_commands()
+        self._fail(exc)
 
     # ---- the step thread ------------------------------------------------------------------------------
     def _main(self, build_engine: Callable[[], LLMEngine]) -> None:
@@ -85,19 +117,32 @@ class EngineLoop:
             return
         self.engine, self._stats = engine, engine.stats()
         self._built.set_result(engine)
-        while not self._stopped:
+        if self._step_timeout_s:
+            threading.Thread(target=self._watch, name=f"{self._thread.name}-watchdog", daemon=True).start()
+        while not self._stopped and self.error is None:
             self._work.clear()
-            self._run_commands()
+            try:
+                self._run_commands()
+            except BaseException as exc:  # adding or aborting broke the engine's own state
+                logger.exception("engine command failed")
+                self._die(exc)
+                break
             if not engine.has_unfinished_requests():
                 self._work.wait(timeout=0.5)
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = engine.step()
             except BaseException as exc:  # a failed step leaves the engine state unknown
                 logger.exception("engine step failed")
-                self.error = exc
-                self._fail(exc)
+                self._die(exc)
                 break
+            finally:
+                elapsed, self._step_started = time.monotonic() - self._step_started, None
+            if self.error is not None:  # the watchdog gave up on this step while it ran
+                break
+            self._slowest_step_s = max(self._slowest_step_s, elapsed)
+            self._steps_done += 1
             self._stats = engine.stats()
             if outputs:
                 self._publish(outputs)
@@ -106,6 +151,16 @@ class EngineLoop:
             engine.shutdown()
         except Exception:
             logger.exception("engine shutdown failed")
+
+    def _watch(self) -> None:
+        while not self._stopped and self.error is None:
+            started, limit = self._step_started, self.step_limit_s()
+            if started is not None and time.monotonic() - started > limit:
+                logger.error("an engine step has run for more than %.1f s: a rank or a collective hangs", limit)
+                self._die(EngineDeadError(f"an engine step ran for more than {limit:.1f} s (the step watchdog's "
+                                          "limit): a rank or a collective hangs"))
+                return
+            time.sleep(0.25)
 
     def _take_commands(self):
         """The commands sent so far, oldest first, each taken off the queue."""
@@ -117,8 +172,9 @@ class EngineLoop:
 
     def _refuse_pending_commands(self) -> None:
         for command in self._take_commands():
-            if command[0] == "add":
-                command[-1].set_exception(EngineDeadError(f"the engine is stopped{f': {self.error!r}' if self.error else ''}"))
+            if command[0] == "add" and command[-1].set_running_or_notify_cancel():
+                reason = f": {self.error!r}" if self.error is not None else ""
+                command[-1].set_exception(EngineDeadError(f"the engine is stopped{reason}"))
 
     def _run_commands(self) -> None:
         ran = False
@@ -126,6 +182,8 @@ class EngineLoop:
             ran = True
             if command[0] == "add":
                 _, request_id, prompt, params, accepted = command
+                if not accepted.set_running_or_notify_cancel():  # the caller gave up before the engine took it
+                    continue
                 try:
                     self.engine.add_request(request_id, prompt, params)
                 except Exception as exc:  # refused: the caller raises it

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.config import EngineConfig
-from engine.llm_engine import InvalidRequestError, LLMEngine
+from engine.errors import InvalidRequestError, RequestFailedError
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -64,4 +65,9 @@ class LLM:
                         progress.update(1)
         if progress is not None:
             progress.close()
+        failed = [(index, results[request_id].error) for index, request_id in enumerate(ids)
+                  if results[request_id].error is not None]
+        if failed:
+            index, error = failed[0]
+            raise RequestFailedError(f"{len(failed)} of {len(ids)} requests failed; the first (prompt {index}): {error}")
         return [results[request_id] for request_id in ids]

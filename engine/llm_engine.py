@@ -17,6 +17,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.errors import InvalidRequestError
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -24,11 +25,9 @@ from engine.tokenizer import Tokenizer, eos_ids_from_config
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-
-class InvalidRequestError(ValueError):
-    """A request cannot be served as given (bad prompt, too long, ...); the message says why."""
+# Tokens per step by device. A step's time is what every running stream waits between two tokens while a
+# prompt is prefilled: on a CPU, 512 prompt tokens of SmolLM2-135M take 1-7 s (longer contexts cost more).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 
 class Executor(Protocol):
@@ -73,6 +72,14 @@ class InProcessExecutor:
         pass
 
 
+def default_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """The step budget for this device (at least max_num_seqs, so every running sequence decodes each step;
+    without chunked prefill, at least a whole prompt)."""
+    from engine.runner.device import resolve_device
+    budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS[resolve_device(config.device).type], config.max_num_seqs)
+    return budget if config.enable_chunked_prefill else max(budget, max_model_len)
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None)
     if config.max_model_len is None:
@@ -92,9 +99,8 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else eos_ids_from_config(self.source))
         self.max_model_len = resolve_max_model_len(config, self.source.hf_config)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
-            else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len))
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(
+            config, self.max_model_len)
         if self.max_num_batched_tokens < config.max_num_seqs and config.max_num_batched_tokens is not None:
             raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                               f"max_num_seqs ({config.max_num_seqs}) so that every running sequence can decode")
@@ -111,7 +117,7 @@ class LLMEngine:
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill),
+                            config.enable_chunked_prefill, config.long_prefill_token_threshold),
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_source = random.Random(config.seed)
@@ -159,6 +165,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        vocab_size = self.source.hf_config.vocab_size
+        params.check_for_model(vocab_size)
+        if params.top_k >= vocab_size:  # keeps every token: the same as no top-k
+            params = dataclasses.replace(params, top_k=0)
         if request_id in self.output_processor.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
@@ -237,10 +249,11 @@ class LLMEngine:
 
     def process_step(self, updated: list[Request], output: RunnerOutput) -> list[RequestOutput]:
         """Detokenization, stop strings and logprobs; may run while the next step executes."""
-        outputs, stop_hits = self.output_processor.process(updated, output)
-        for sample_id, stop in stop_hits:
+        results = self.output_processor.process(updated, output)
+        for sample_id, stop in results.stop_hits:
             self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_STOPPED, stop)
-        return outputs
+        self.scheduler.abort_requests(results.failed_sample_ids)
+        return results.outputs
 
     def stats(self) -> dict:
         block_manager = self.scheduler.block_manager

@@ -21,7 +21,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the request failed alone)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[PositionLogprobs] | None = None
     # What the last step added (text held back while it might still become a stop string).
@@ -53,6 +53,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry None (no context)
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set (with finish_reason "error") when this request failed alone in a step
 
     # The first (usually only) completion's fields, for the common n=1 case.
     @property
@@ -89,7 +90,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
             completion.stop_reason, completion.logprobs, "".join(p.new_text for p in parts),
             [t for p in parts for t in p.new_token_ids]))
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, merged, last.finished,
-                         last.prompt_logprobs, last.num_cached_tokens, last.metrics)
+                         last.prompt_logprobs, last.num_cached_tokens, last.metrics, last.error)
 
 
 def drain_merged(queue, first):

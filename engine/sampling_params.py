@@ -1,13 +1,33 @@
-"""Per-request sampling parameters, with vLLM's names and defaults, validated at construction."""
+"""Per-request sampling parameters, with vLLM's names and defaults, validated at construction.
+
+These bounds are the only ones: the HTTP app, the Python handle and the Serve handle all build a
+SamplingParams, so a value one door refuses every door refuses. What depends on the model (token ids inside
+the vocabulary) is checked by `check_for_model`, which the engine calls when it takes a request.
+"""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+# A positive temperature below this is sampled at this temperature: dividing logits by a tinier one
+# overflows to inf and the softmax to NaN (vLLM clamps the same way).
+MIN_POSITIVE_TEMPERATURE = 1e-2
 
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -31,36 +51,69 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
 
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """From a mapping of field names (a handle call's request), refusing names that are not fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise SamplingParamsError(f"unknown sampling parameter(s) {unknown}; valid ones are {sorted(names)}",
+                                      unknown[0])
+        return cls(**values)
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._require(self.stop is None or isinstance(self.stop, (list, tuple)), "stop",
+                      "must be a string or a list of strings")
+        self._require(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+                      "stop_token_ids", "must be a list of token ids")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._require(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        self._require(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
-        self._require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        self._require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1, 0 (disabled) or a positive integer")
-        self._require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        self._require(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
-        self._require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-                      "max_tokens", "must be an integer >= 1 or None")
-        self._require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        self._require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        self._require(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
+                      "must be a finite number >= 0")
+        if 0 < self.temperature < MIN_POSITIVE_TEMPERATURE:
+            self.temperature = MIN_POSITIVE_TEMPERATURE
+        self._require(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        self._require(_is_int(self.top_k) and 0 <= self.top_k <= INT32_MAX, "top_k",
+                      f"must be -1, 0 (disabled) or a positive integer up to {INT32_MAX}")
+        self._require(_is_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        self._require(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
+                      "must be None or a 64-bit integer")
+        self._require(self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX),
+                      "max_tokens", "must be None or an integer >= 1")
+        self._require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= INT64_MAX, "min_tokens",
+                      "must be an integer >= 0")
         if self.max_tokens is not None:
             self._require(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
-        self._require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        self._require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                      "must be non-negative integers")
+        self._require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
+        self._require(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+                      f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        self._require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                      f"may hold at most {MAX_STOP_TOKEN_IDS} ids")
+        self._require(all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
+                      "must be non-negative token ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             self._require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                           f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            self._require(_is_number(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
-        self._require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-                      "repetition_penalty", "must be > 0")
+            self._require(_is_finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
+        self._require(_is_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2**16,
+                      "repetition_penalty", "must be a finite number > 0")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            self._require(isinstance(getattr(self, name), bool), name, "must be true or false")
+
+    def check_for_model(self, vocab_size: int) -> None:
+        """What depends on the model: token ids inside its vocabulary."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise SamplingParamsError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {vocab_size})", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -73,12 +126,16 @@ class SamplingParams:
 
     def _require(self, ok: bool, name: str, requirement: str) -> None:
         if not ok:
-            raise SamplingParamsError(f"SamplingParams.{name} {requirement} (got {getattr(self, name)!r})")
+            value = repr(getattr(self, name))
+            value = value if len(value) <= 80 else value[:77] + "..."
+            raise SamplingParamsError(f"SamplingParams.{name} {requirement} (got {value})", name)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+def _is_finite(value) -> bool:
+    if _is_int(value):  # any int, however large (math.isfinite would overflow converting it)
+        return True
+    return isinstance(value, float) and math.isfinite(value)

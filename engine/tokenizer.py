@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engine.errors import InvalidRequestError
 from engine.loader.source import ModelSource, ModelSourceError
 
 
@@ -35,7 +36,11 @@ class Tokenizer:
                                                               "tokenizer.model", "vocab.json"))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of `text`; text the tokenizer cannot take (a lone surrogate, ...) is the request's fault."""
+        try:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as exc:
+            raise InvalidRequestError(_why_unencodable(text, exc)) from None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -51,15 +56,32 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The conversation as the model's chat template writes it; messages the template refuses (its own
+        checks, such as alternating roles, or values it cannot render) are the request's fault."""
+        import jinja2
         if not self.has_chat_template:
-            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **kwargs)
+            raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt instead")
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **kwargs)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+            raise InvalidRequestError(f"the chat template cannot render these messages: {exc}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         # The template already spells out any BOS token, so the text is encoded without special tokens.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)
+
+
+def _why_unencodable(text, exc: Exception) -> str:
+    if not isinstance(text, str):
+        return f"a prompt must be text, not {type(text).__name__}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (f"the text is not valid Unicode: it holds a lone surrogate ({text[error.start]!r}) at character "
+                f"{error.start}")
+    return f"the tokenizer cannot encode this text: {exc}"
 
 
 def eos_ids_from_config(source: ModelSource) -> set[int]:

@@ -10,8 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_llm import EngineDeadError
-from engine.llm_engine import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.sampling_params import SamplingParamsError
 
 from .protocol import ErrorInfo, ErrorResponse

@@ -2,6 +2,7 @@
 the fan-in of a request's n samples."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -10,6 +11,8 @@ from engine.core.scheduler_output import LogprobsLists, RunnerOutput
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +37,14 @@ class _Parent:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     finished_samples: set[str] = field(default_factory=set)
+    error: str | None = None  # why the request failed alone, if it did
+
+
+@dataclass
+class StepResults:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stop_hits: list[tuple[str, str]] = field(default_factory=list)  # (sample id, stop string)
+    failed_sample_ids: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -66,28 +77,37 @@ class OutputProcessor:
         for sample_id in parent.samples if parent is not None else ():
             self.parent_of.pop(sample_id, None)
 
-    def process(self, updated: list[Request], output: RunnerOutput) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns the outputs of requests that changed, and (sample id, stop string) for samples that a
-        stop string ended (the caller finishes them in the scheduler)."""
+    def process(self, updated: list[Request], output: RunnerOutput) -> StepResults:
+        """The outputs of the requests that changed, the samples that a stop string ended and those of the
+        requests whose output could not be produced (the caller finishes both kinds in the scheduler). A
+        request whose processing raises fails alone: its output says so and the others carry on."""
         now = time.monotonic()
         changed: dict[str, _Parent] = {}
-        stop_hits = []
+        results = StepResults()
         for sample_id, lists in output.prompt_logprobs.items():
             parent = self.parents.get(self.parent_of.get(sample_id, ""))
-            if parent is not None and parent.prompt_logprobs is not None:
-                parent.prompt_logprobs.extend(self._to_position_logprobs(lists))
+            if parent is not None and parent.prompt_logprobs is not None and parent.error is None:
+                try:
+                    parent.prompt_logprobs.extend(self._to_position_logprobs(lists))
+                except Exception as exc:
+                    self._fail(parent, exc, results)
         for request in updated:
             parent = self.parents.get(self.parent_of.get(request.request_id, ""))
-            if parent is None:
+            if parent is None or parent.error is not None:
                 continue
             sample = parent.samples[request.request_id]
             if sample.completion.finished:
                 continue
-            stop = self._add_tokens(sample, request)
-            if sample.params.logprobs is not None and request.request_id in output.logprobs:
-                sample.completion.logprobs.extend(self._to_position_logprobs(output.logprobs[request.request_id]))
+            try:
+                stop = self._add_tokens(sample, request)
+                if sample.params.logprobs is not None and request.request_id in output.logprobs:
+                    sample.completion.logprobs.extend(
+                        self._to_position_logprobs(output.logprobs[request.request_id]))
+            except Exception as exc:
+                self._fail(parent, exc, results)
+                continue
             if stop is not None:
-                stop_hits.append((request.request_id, stop))
+                results.stop_hits.append((request.request_id, stop))
                 sample.completion.finish_reason, sample.completion.stop_reason = "stop", stop
             elif request.status.finished:
                 sample.completion.finish_reason = request.finish_reason
@@ -96,7 +116,19 @@ class OutputProcessor:
                 parent.finished_samples.add(request.request_id)
             self._update_metrics(parent, request, now)
             changed[parent.request_id] = parent
-        return [self._emit(parent) for parent in changed.values()], stop_hits
+        results.outputs += [self._emit(parent) for parent in changed.values() if parent.error is None]
+        return results
+
+    def _fail(self, parent: _Parent, exc: Exception, results: StepResults) -> None:
+        """One request's output could not be produced: it ends with an error (all its samples), alone."""
+        logger.error("request %s failed while its output was produced", parent.request_id, exc_info=exc)
+        parent.error = f"{type(exc).__name__}: {exc}"
+        for sample_id, sample in parent.samples.items():
+            if not sample.completion.finished:
+                sample.completion.finish_reason = "error"
+                parent.finished_samples.add(sample_id)
+        results.failed_sample_ids.extend(parent.samples)
+        results.outputs.append(self._emit(parent))
 
     def finish_aborted(self, request_id: str) -> RequestOutput | None:
         """The final output of an aborted request (samples that had not finished say 'abort'); the
@@ -179,4 +211,4 @@ class OutputProcessor:
             parent.metrics.finished_time = time.monotonic()
             self.remove(parent.request_id)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics)
+                             parent.prompt_logprobs, parent.num_cached_tokens, parent.metrics, parent.error)

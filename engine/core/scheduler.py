@@ -1,8 +1,9 @@
 """Continuous-batching scheduler: a token budget per step shared by decodes and (chunked) prefills.
 
-Each step first serves running requests oldest first (a decode needs one token, an unfinished prefill its
-next chunk), then admits waiting requests. When the KV cache is full, the newest running request is
-preempted: its blocks are freed and it goes back to the front of the queue to be recomputed later.
+Each step serves, in this order: running decodes (a token each), short prefills (running ones, then
+waiting requests admitted in arrival order), then long prefills. When the KV cache is full, the newest
+running request not yet scheduled in the step is preempted: its blocks are freed and it goes back to the
+front of the queue to be recomputed later.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # A prefill with more tokens left than this is "long": short prefills go first, and the oldest long one
+    # keeps this many tokens of each step's budget (more when nothing else wants them). None: half the budget.
+    long_prefill_token_threshold: int | None = None
 
 
 class Scheduler:
@@ -73,21 +77,53 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decodes first (a token each), then prefills: short ones (at most `long_prefill_token_threshold`
+        tokens left) before long ones, so that neither a running stream nor a short prompt waits behind a
+        long prompt for more than one step. The oldest running long prefill keeps a share of the budget
+        (the threshold), so a stream of short prompts cannot starve it."""
         out = SchedulerOutput(finished_request_ids=self._forget_on_runners)
         self._forget_on_runners = set()
-        budget = self.config.max_num_batched_tokens
-        preempted = False
+        threshold = self.config.long_prefill_token_threshold or max(1, self.config.max_num_batched_tokens // 2)
+        self._budget = self.config.max_num_batched_tokens
+        decodes = [r for r in self.running if not r.is_prefilling]
+        prefills = [r for r in self.running if r.is_prefilling]
+        short = [r for r in prefills if r.num_tokens_to_compute <= threshold]
+        long = [r for r in prefills if r.num_tokens_to_compute > threshold]
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_tokens = min(request.num_tokens_to_compute, budget)
+        preempted = self._schedule_running(decodes, out)
+        reserve = min(threshold, self._budget) if long else 0
+        self._budget -= reserve
+        preempted |= self._schedule_running(short, out)
+        if not preempted:
+            self._admit_waiting(out, threshold, long_ones=False)
+        self._budget += reserve
+        preempted |= self._schedule_running(long, out)
+        if not preempted:
+            self._admit_waiting(out, threshold, long_ones=True)
+
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1  # this step samples its next token
+        return out
+
+    def _schedule_running(self, requests: list[Request], out: SchedulerOutput) -> bool:
+        """Schedule running requests in order within the budget. When the KV cache is full, the newest
+        request not yet scheduled this step is preempted. Returns whether any was."""
+        preempted = False
+        for request in requests:
+            if self._budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_tokens = min(request.num_tokens_to_compute, self._budget)
             if num_tokens == 0 or request.will_finish_by_length:
-                index += 1
                 continue
             num_old_blocks = len(request.block_ids)
             while not self.block_manager.allocate(request, num_tokens):
-                victim = self.running.pop()
+                victim = next(r for r in reversed(self.running) if r.request_id not in out.num_scheduled_tokens)
+                self.running.remove(victim)
                 self._preempt(victim, out)
                 preempted = True
                 if victim is request:
@@ -97,24 +133,33 @@ class Scheduler:
             out.cached_requests.append(CachedRequestData(
                 request.request_id, request.block_ids[num_old_blocks:], request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = num_tokens
-            budget -= num_tokens
-            index += 1
+            self._budget -= num_tokens
+        return preempted
 
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+    def _admit_waiting(self, out: SchedulerOutput, threshold: int, long_ones: bool) -> None:
+        """Admit waiting requests in arrival order: the short ones (whole prompt within the threshold) or
+        the long ones. A request that cannot be admitted (no blocks, no budget) keeps its place; a long one
+        is not admitted while another long prefill is under way."""
+        for request in list(self.waiting):
+            if self._budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
             if request.num_pending_tokens:  # preempted while a launched step samples for it
-                break
+                continue
             cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_tokens = request.num_tokens - num_cached_tokens
-            if num_tokens > budget:
+            if (num_tokens > threshold) != long_ones:
+                continue
+            if long_ones and any(r.num_tokens_to_compute - out.num_scheduled_tokens.get(r.request_id, 0) > 0
+                                 and r.num_tokens_to_compute > threshold for r in self.running):
+                return  # a long prefill is under way and continues next step
+            if num_tokens > self._budget:
                 if not self.config.enable_chunked_prefill:
-                    break
-                num_tokens = budget
+                    return
+                num_tokens = self._budget
             if not self.block_manager.allocate(request, num_tokens, cached):
-                break
-            self.waiting.popleft()
+                return
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached_tokens
             if request.num_cached_tokens < 0:
@@ -125,14 +170,7 @@ class Scheduler:
                 request.request_id, list(request.token_ids), request.num_prompt_tokens,
                 request.sampling_params, list(request.block_ids), num_cached_tokens))
             out.num_scheduled_tokens[request.request_id] = num_tokens
-            budget -= num_tokens
-
-        for request_id, num_tokens in out.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
-                request.num_pending_tokens += 1  # this step samples its next token
-        return out
+            self._budget -= num_tokens
 
     def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
         """Append sampled tokens, apply token-level stop conditions, cache newly computed blocks.
@@ -166,6 +204,7 @@ class Scheduler:
         return None, None
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """`request` has left `running`: free its blocks and put it first in line to be recomputed."""
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -8,8 +8,7 @@ import openai
 import pytest
 import requests
 
-from engine.async_llm import EngineDeadError
-from engine.llm_engine import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 
 MODEL = "smollm2"
 LONG_TEXT = "hello " * 9000  # more tokens than SmolLM2's 8192-token context

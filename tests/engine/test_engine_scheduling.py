@@ -103,3 +103,24 @@ def test_prompt_logprobs_cover_every_position_even_when_the_prefix_is_cached(lla
     llm.generate([PROMPTS[0]], GREEDY)  # caches the shared prefix
     output = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
     assert len(output.prompt_logprobs) == len(PROMPTS[1]) and all(output.prompt_logprobs[1:])
+
+
+def test_a_running_stream_waits_at_most_one_step_while_a_long_prompt_is_prefilled(llama_dir):
+    """Fairness, in steps: with a 32-token budget, a 300-token prompt takes 10 steps to prefill and the
+    running stream gets a token in every one of them (its longest gap is one step, one chunk's time)."""
+    from engine import EngineConfig, LLMEngine
+    engine = LLMEngine(EngineConfig(str(llama_dir), dtype="float32", max_num_batched_tokens=32, max_num_seqs=8,
+                                    max_model_len=512),
+                       show_progress=False)
+    engine.add_request("stream", [5, 6, 7], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.add_request("long", list(range(1, 301)), SamplingParams(temperature=0, max_tokens=1))
+    steps, longest_gap, gap = 0, 0, 0
+    while "long" in engine.output_processor.parents:
+        outputs = {o.request_id: o for o in engine.step()}
+        steps += 1
+        gap = 0 if outputs.get("stream") and outputs["stream"].outputs[0].new_token_ids else gap + 1
+        longest_gap = max(longest_gap, gap)
+    assert longest_gap == 0
+    assert steps == -(-300 // 31)
+    engine.abort_request("stream")

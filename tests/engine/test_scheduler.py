@@ -8,8 +8,9 @@ from engine.core.scheduler_output import RunnerOutput
 from engine.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, max_model_len=256):
-    config = SchedulerConfig(max_num_seqs, budget, max_model_len, chunked)
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True, max_model_len=256,
+                   long_prefill_token_threshold=None):
+    config = SchedulerConfig(max_num_seqs, budget, max_model_len, chunked, long_prefill_token_threshold)
     return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=False))
 
 
@@ -125,3 +126,47 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
     step(scheduler)
     scheduler.abort_requests(["running", "waiting", "unknown"])
     assert not scheduler.has_unfinished and scheduler.block_manager.num_free_blocks == 64
+
+
+# ---- fairness: decodes first, short prefills before long ones, a long prefill keeps its share ----------
+def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_is_prefilled():
+    scheduler = make_scheduler(num_blocks=128, budget=16)
+    add(scheduler, "stream", 4)
+    step(scheduler)
+    add(scheduler, "long", 100)
+    steps = 0
+    while scheduler.requests["long"].num_output_tokens == 0:
+        scheduled = step(scheduler)
+        steps += 1
+        assert scheduled.num_scheduled_tokens["stream"] == 1  # the stream's gap is one step, every step
+        assert scheduled.total_num_scheduled_tokens <= 16
+    assert steps == -(-100 // 15)  # the long prompt took the rest of each step's budget
+
+
+def test_a_short_prompt_is_not_stuck_behind_long_ones():
+    scheduler = make_scheduler(num_blocks=128, budget=16)  # long: more than 8 tokens left
+    for name in ("long-1", "long-2", "long-3"):
+        add(scheduler, name, 60)
+    step(scheduler)
+    add(scheduler, "short", 5)
+    scheduled = step(scheduler)
+    assert scheduled.num_scheduled_tokens == {"short": 5, "long-1": 11}  # a second long waits its turn
+    assert [r.request_id for r in scheduler.waiting] == ["long-2", "long-3"]
+
+
+def test_a_long_prefill_keeps_its_share_against_a_flood_of_short_prompts():
+    scheduler = make_scheduler(num_blocks=256, budget=16, max_num_seqs=64, long_prefill_token_threshold=6)
+    add(scheduler, "long", 60)
+    step(scheduler)
+    for index in range(6):
+        for k in range(3):
+            add(scheduler, f"short-{index}-{k}", 5)
+        scheduled = step(scheduler)
+        assert scheduled.num_scheduled_tokens["long"] >= 6 or scheduler.requests["long"].num_output_tokens
+
+
+def test_a_long_prefill_alone_uses_the_whole_budget():
+    scheduler = make_scheduler(num_blocks=128, budget=16, long_prefill_token_threshold=4)
+    add(scheduler, "long", 40)
+    assert step(scheduler).num_scheduled_tokens == {"long": 16}
+    assert step(scheduler).num_scheduled_tokens == {"long": 16}
