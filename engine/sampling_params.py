@@ -90,8 +90,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             self._require(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
         self._require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
-        self._require(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
-                      f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        self._require(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS and _is_unicode(s)
+                          for s in self.stop), "stop",
+                      f"must be non-empty strings of valid Unicode, of at most {MAX_STOP_STRING_CHARS} characters")
         self._require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                       f"may hold at most {MAX_STOP_TOKEN_IDS} ids")
         self._require(all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
@@ -129,6 +130,15 @@ class SamplingParams:
             value = repr(getattr(self, name))
             value = value if len(value) <= 80 else value[:77] + "..."
             raise SamplingParamsError(f"SamplingParams.{name} {requirement} (got {value})", name)
+
+
+def _is_unicode(text: str) -> bool:
+    """No lone surrogates: generated text never holds one, and it cannot be sent back as UTF-8."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _is_int(value) -> bool:

@@ -10,21 +10,27 @@ from fastapi.responses import Response
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import engine_unavailable, install_error_handlers
+from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuard
 from .metrics import AppMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import ServingContext, run_guarded
 from .streams import Admission, resolve
 
 
-def build_openai_app(client, served_model_name: str, max_pending_requests: int = 256) -> FastAPI:
+def build_openai_app(client, served_model_name: str, max_pending_sequences: int = 256, api_key: str | None = None,
+                     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """`client` offers AsyncLLM's interface: generate(prompt, params, request_id), abort(request_id), stats(),
-    tokenizer, max_model_len, is_healthy. At most `max_pending_requests` generation requests are in flight;
-    more get 429 with Retry-After."""
-    if max_pending_requests < 1:
-        raise ValueError(f"max_pending_requests must be at least 1 (got {max_pending_requests})")
-    ctx = ServingContext(client, served_model_name, AppMetrics(), Admission(max_pending_requests))
+    tokenizer, max_model_len, is_healthy. At most `max_pending_sequences` sequences (prompts x n) are in
+    flight; a request past that gets 429 with Retry-After, one that could never fit 400. With `api_key`,
+    every /v1/ route needs `Authorization: Bearer <api_key>`; /health and /metrics stay open."""
+    if max_pending_sequences < 1:
+        raise ValueError(f"max_pending_sequences must be at least 1 (got {max_pending_sequences})")
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be at least 1 (got {max_request_body_bytes})")
+    ctx = ServingContext(client, served_model_name, AppMetrics(), Admission(max_pending_sequences))
     # strict_content_type=False: a JSON body without a Content-Type header (curl -d ...) still parses.
     app = FastAPI(title="atom-ray OpenAI-compatible API", strict_content_type=False)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_body_bytes)
     install_error_handlers(app)
     app.state.serving = ctx
 

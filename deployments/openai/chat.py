@@ -2,14 +2,15 @@
 streamed as chat.completion.chunk events."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
 
 from .errors import bad_request
@@ -21,21 +22,21 @@ from .serving import DONE_EVENT, ChoiceProgress, OutputStream, ServingContext, e
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
     arrival_time = time.monotonic()
-    await ctx.check_ready(body.model)
-    messages = [message.to_template_dict() for message in body.messages]
-    try:
-        token_ids = ctx.client.tokenizer.encode_chat(messages)
-    except (ValueError, TypeError, jinja2.TemplateError) as exc:
-        raise bad_request(f"The chat template cannot render these messages: {exc}", "messages") from exc
-    if not token_ids:
-        raise bad_request("The messages render to an empty prompt", "messages")
     max_tokens = body.requested_max_tokens
-    ctx.check_context(len(token_ids), max_tokens, "messages",
-                      "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
-    response = _ChatResponder(ctx, body, len(token_ids), f"chatcmpl-{uuid.uuid4().hex}")
-    return await ctx.run(raw_request, arrival_time, [token_ids], params, response.id, body.stream, response.full,
-                         response.events)
+    async with ctx.admitted(body.model, params.n) as ticket:
+        messages = [message.to_template_dict() for message in body.messages]
+        try:  # off the event loop: templating and tokenizing a long conversation must not stall other streams
+            token_ids = await asyncio.to_thread(ctx.client.tokenizer.encode_chat, messages)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "messages") from None
+        if not token_ids:
+            raise bad_request("The messages render to an empty prompt", "messages")
+        ctx.check_context(len(token_ids), max_tokens, "messages",
+                          "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        response = _ChatResponder(ctx, body, len(token_ids), f"chatcmpl-{uuid.uuid4().hex}")
+        return await ctx.run(ticket, raw_request, arrival_time, [token_ids], params, response.id, body.stream,
+                             response.full, response.events)
 
 
 class _ChatResponder:

@@ -2,6 +2,7 @@
 With several prompts and n samples each, choice index = prompt index * n + sample index."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,17 +27,23 @@ class _Prompt:
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Response:
     arrival_time = time.monotonic()
-    await ctx.check_ready(body.model)
+    echo_logprobs = body.logprobs if body.echo else None
+    params = body.to_sampling_params(body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+    async with ctx.admitted(body.model, len(body.prompts) * params.n) as ticket:
+        # Off the event loop: a large prompt must not hold up the other requests' streams.
+        prompts = await asyncio.to_thread(_prepare_prompts, ctx, body)
+        response = _CompletionResponder(ctx, body, prompts, f"cmpl-{uuid.uuid4().hex}")
+        return await ctx.run(ticket, raw_request, arrival_time, [p.token_ids for p in prompts], params, response.id,
+                             body.stream, response.full, response.events)
+
+
+def _prepare_prompts(ctx: ServingContext, body: CompletionRequest) -> list[_Prompt]:
     prompts = [_tokenize(ctx, prompt, body.max_tokens) for prompt in body.prompts]
     if body.echo:
         for prompt in prompts:
             if prompt.text is None:
                 prompt.text = ctx.client.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
-    echo_logprobs = body.logprobs if body.echo else None
-    params = body.to_sampling_params(body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
-    response = _CompletionResponder(ctx, body, prompts, f"cmpl-{uuid.uuid4().hex}")
-    return await ctx.run(raw_request, arrival_time, [p.token_ids for p in prompts], params, response.id, body.stream,
-                         response.full, response.events)
+    return prompts
 
 
 def _tokenize(ctx: ServingContext, prompt: str | list[int], max_tokens: int | None) -> _Prompt:

@@ -2,6 +2,7 @@
 the exception the handlers raise, and the FastAPI exception handlers that render it."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -44,7 +45,15 @@ class OpenAIError(Exception):
                                              code=self.code))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status_code, headers=self.headers)
+        return _AsciiJSONResponse(self.body().model_dump(), status_code=self.status_code, headers=self.headers)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """Escapes non-ASCII: an error that quotes the client's input (a model name with a lone surrogate, say)
+    still renders, where UTF-8 encoding would fail."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -55,8 +64,8 @@ def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(404, f"The model '{model}' does not exist", "model", "model_not_found")
 
 
-def too_many_requests(in_flight: int) -> OpenAIError:
-    return OpenAIError(429, f"The server has {in_flight} requests in flight, its limit; retry in a moment",
+def too_many_requests(in_flight: int, limit: int) -> OpenAIError:
+    return OpenAIError(429, f"The server runs {in_flight} sequences of its limit of {limit}; retry in a moment",
                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
@@ -70,12 +79,13 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, SamplingParamsError):
-        match = re.search(r"SamplingParams\.(\w+)", str(exc))
-        return bad_request(str(exc), match.group(1) if match else None)
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc), "prompt")
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(str(exc))
+    if isinstance(exc, RequestFailedError):  # this request alone; the engine serves on
+        return OpenAIError(500, f"The request failed: {exc}", code="request_failed")
     logger.error("request failed", exc_info=exc)
     return OpenAIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
 

@@ -1,16 +1,16 @@
 """OpenAI's request and response bodies as pydantic models, and the one mapping from a request to the
-engine's SamplingParams. Requests are strict (no "5" for 5) and ignore fields they do not know."""
+engine's SamplingParams. Requests are strict about types (no "5" for 5) and ignore fields they do not know;
+value ranges are the engine's own (SamplingParams), so the HTTP API and the Python handles refuse the same
+values. Fields that OpenAI or vLLM define and this server cannot honour are refused when set, naming the
+field, rather than silently ignored."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_N = 128
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
@@ -20,48 +20,95 @@ class _StrictRequest(BaseModel):
 
 class StreamOptions(_StrictRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("stream_options.continuous_usage_stats is not supported by this server")
+        return value
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+# Fields some client may send that this server does not honour, with what counts as leaving them unset.
+_UNSUPPORTED_GENERATION_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": _unset,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
+    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
+    "guided_decoding_backend": _unset, "guided_whitespace_pattern": _unset, "structured_outputs": _unset,
+    "use_beam_search": lambda v: v is None or v is False,
+    "allowed_token_ids": _unset, "bad_words": _unset, "logits_processors": _unset,
+    "truncate_prompt_tokens": _unset, "prompt_logprobs": _unset,
+}
+_UNSUPPORTED_CHAT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "tools": _unset,
+    "tool_choice": lambda v: v is None or v in ("none", "auto"),
+    "functions": _unset, "function_call": lambda v: v is None or v in ("none", "auto"),
+    "echo": lambda v: v is None or v is False, "continue_final_message": lambda v: v is None or v is False,
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "chat_template": _unset, "chat_template_kwargs": _unset, "documents": _unset,
+    "modalities": lambda v: v is None or v == ["text"], "audio": _unset, "prediction": _unset,
+}
+
+
+def _refuse_if_set(value: Any, info: ValidationInfo, table: dict[str, Callable[[Any], bool]]) -> Any:
+    if not table[info.field_name](value):
+        raise ValueError(f"{info.field_name} is not supported by this server (got {_short(value)})")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class _GenerationRequest(_StrictRequest):
     """Fields shared by completions and chat completions, OpenAI's and vLLM's extras."""
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     user: str | None = None
-    # Known OpenAI fields the engine cannot honour: refused when set, rather than silently ignored.
-    logit_bias: dict[str, float] | None = None
     # vLLM's extras (the openai client sends them through `extra_body`).
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Refused when set (see _UNSUPPORTED_GENERATION_FIELDS).
+    logit_bias: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
 
-    @field_validator("stop", mode="before")
+    @field_validator(*_UNSUPPORTED_GENERATION_FIELDS)
     @classmethod
-    def _stop_is_strings(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str) and value:
-            return value
-        if isinstance(value, list) and all(isinstance(s, str) and s for s in value):
-            return value
-        raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _token_ids_are_non_negative(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(t < 0 for t in value):
-            raise ValueError("stop_token_ids must be non-negative token ids")
-        return value
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_if_set(value, info, _UNSUPPORTED_GENERATION_FIELDS)
 
     @field_validator("stream_options")
     @classmethod
@@ -70,41 +117,46 @@ class _GenerationRequest(_StrictRequest):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None):
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
-
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    # Where an engine parameter comes from a request field of another name, errors name the request's.
+    _PARAM_NAMES: ClassVar[dict[str, str]] = {}
+
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters for this request (max_tokens and logprobs differ per endpoint)."""
+        """The engine's parameters for this request (max_tokens and logprobs differ per endpoint); its
+        bounds are the engine's, and an error names the request's field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=self.min_p,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except SamplingParamsError as exc:
+            param = self._param_name(exc.param)
+            message = str(exc).replace(f"SamplingParams.{exc.param}", param) if param != exc.param else str(exc)
+            raise SamplingParamsError(message, param) from None
+
+    def _param_name(self, engine_name: str | None) -> str | None:
+        return self._PARAM_NAMES.get(engine_name, engine_name)
 
 
 PromptInput = str | list[int] | list[str] | list[list[int]]
@@ -112,11 +164,13 @@ PromptInput = str | list[int] | list[str] | list[list[int]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = None
     suffix: str | None = None
+
+    _PARAM_NAMES: ClassVar[dict[str, str]] = {"prompt_logprobs": "logprobs"}
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -188,12 +242,31 @@ class ChatMessage(_StrictRequest):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    # Refused when set (see _UNSUPPORTED_CHAT_FIELDS).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    echo: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    _PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
+    @field_validator(*_UNSUPPORTED_CHAT_FIELDS)
+    @classmethod
+    def _unsupported_in_chat(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_if_set(value, info, _UNSUPPORTED_CHAT_FIELDS)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -202,19 +275,10 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None):
-        if value:
-            raise ValueError("tools are not supported by this server")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value: dict[str, Any] | None):
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported by this server")
-        return value
+    def _param_name(self, engine_name: str | None) -> str | None:
+        if engine_name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super()._param_name(engine_name)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -15,7 +16,7 @@ from engine.sampling_params import SamplingParams
 
 from .errors import OpenAIError, bad_request, engine_unavailable, from_exception, model_not_found
 from .metrics import AppMetrics
-from .streams import Admission, ClientDisconnected, EngineRequests, resolve, until_disconnected
+from .streams import Admission, ClientDisconnected, EngineRequests, Ticket, resolve, until_disconnected
 
 # nginx's code for "the client closed the connection before the response"; nobody reads it, but logs do.
 CLIENT_CLOSED_REQUEST = 499
@@ -83,14 +84,25 @@ class ServingContext:
                 raise bad_request(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
                                   "prompt")
 
-    async def run(self, raw_request: Request, arrival_time: float, prompts: list[list[int]],
+    @asynccontextmanager
+    async def admitted(self, model: str | None, num_sequences: int):
+        """Checks the model and the engine's health, then holds `num_sequences` of the in-flight limit while
+        the request is prepared (tokenized); `run` takes the ticket over, and releases it at the end."""
+        await self.check_ready(model)
+        ticket = self.admission.admit(num_sequences)
+        try:
+            yield ticket
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def run(self, ticket: Ticket, raw_request: Request, arrival_time: float, prompts: list[list[int]],
                   params: SamplingParams, response_id: str, stream: bool,
                   respond: Callable[[list[RequestOutput]], BaseModel],
                   stream_events: Callable[[OutputStream], AsyncIterator[str]]) -> Response:
         """Send the prompts to the engine. Non-streaming: `respond(final outputs, one per prompt)` becomes
         the JSON body. Streaming: `stream_events(outputs)` yields the SSE events; the first output is awaited
         here so that a request the engine refuses still gets an error status rather than a broken stream."""
-        ticket = self.admission.admit()
         request_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
         engine = EngineRequests(self.client, prompts, params, request_ids, self.metrics, arrival_time)
         handed_to_stream = False

@@ -12,7 +12,7 @@ from fastapi import Request
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-from .errors import too_many_requests
+from .errors import bad_request, too_many_requests
 from .metrics import AppMetrics, RequestTimer
 
 T = TypeVar("T")
@@ -28,28 +28,33 @@ async def resolve(value: Any) -> Any:
 
 
 class Admission:
-    """Counts the generation requests in flight at this app and turns away those past the limit."""
+    """Counts the sequences in flight at this app (a request with 4 prompts and n=2 is 8) and turns away
+    what is past the limit: 429 when the others must finish first, 400 when the request alone is larger."""
 
-    def __init__(self, max_pending_requests: int) -> None:
-        self.max_pending_requests = max_pending_requests
+    def __init__(self, max_pending_sequences: int) -> None:
+        self.max_pending_sequences = max_pending_sequences
         self.in_flight = 0
 
-    def admit(self) -> Ticket:
-        if self.in_flight >= self.max_pending_requests:
-            raise too_many_requests(self.in_flight)
-        self.in_flight += 1
-        return Ticket(self)
+    def admit(self, num_sequences: int) -> Ticket:
+        if num_sequences > self.max_pending_sequences:
+            raise bad_request(f"The request asks for {num_sequences} sequences (prompts x n), more than this "
+                              f"server runs at once ({self.max_pending_sequences}); split it", "n")
+        if self.in_flight + num_sequences > self.max_pending_sequences:
+            raise too_many_requests(self.in_flight, self.max_pending_sequences)
+        self.in_flight += num_sequences
+        return Ticket(self, num_sequences)
 
 
 class Ticket:
-    __slots__ = ("admission",)
+    __slots__ = ("admission", "num_sequences")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, num_sequences: int) -> None:
         self.admission: Admission | None = admission
+        self.num_sequences = num_sequences
 
     def release(self) -> None:
         if self.admission is not None:  # idempotent: both a finally and a response close may call it
-            self.admission.in_flight -= 1
+            self.admission.in_flight -= self.num_sequences
             self.admission = None
 
 
@@ -125,6 +130,8 @@ class EngineRequests:
             result = self.client.abort(self.request_ids[index])
             if inspect.isawaitable(result):
                 asyncio.ensure_future(result)
+            for _ in range(self.params.n):
+                self.metrics.record_finished("abort")
         self.unfinished.clear()
         generators, self._generators = self._generators, []
         for generator in generators:

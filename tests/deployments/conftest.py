@@ -76,7 +76,7 @@ def server(engine):
 @pytest.fixture
 def limited_server(engine):
     """A second app on the same engine that lets one generation request in at a time."""
-    with serve(build_openai_app(engine, SERVED_MODEL, max_pending_requests=1)) as served:
+    with serve(build_openai_app(engine, SERVED_MODEL, max_pending_sequences=1)) as served:
         yield served
 
 
@@ -142,3 +142,9 @@ def idle_engine(engine):
 @pytest.fixture
 def wait_idle():
     return wait_until_engine_idle
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    """serve(app) as a fixture: a context manager serving an app of the test's own on a free loopback port."""
+    return serve

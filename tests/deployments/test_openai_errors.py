@@ -38,7 +38,7 @@ BAD_REQUESTS = [
     ("max_tokens beyond the context", COMPLETIONS, completion(max_tokens=100_000), 400, "context length"),
     ("negative max_tokens", COMPLETIONS, completion(max_tokens=-1), 400, "max_tokens"),
     ("max_tokens a string", COMPLETIONS, completion(max_tokens="10"), 400, "max_tokens"),
-    ("temperature 5", COMPLETIONS, completion(temperature=5), 400, "temperature"),
+    ("temperature -1", COMPLETIONS, completion(temperature=-1), 400, "temperature"),
     ("top_p 0", COMPLETIONS, completion(top_p=0), 400, "top_p"),
     ("n 0", COMPLETIONS, completion(n=0), 400, "n"),
     ("logprobs 50", COMPLETIONS, completion(logprobs=50), 400, "logprobs"),
@@ -105,8 +105,77 @@ def test_unknown_route_and_wrong_method_get_openai_errors(server):
 
 
 def test_validation_error_names_the_field(server):
-    error = assert_openai_error(server.post(COMPLETIONS, data=completion(temperature=5)), 400)
+    error = assert_openai_error(server.post(COMPLETIONS, data=completion(temperature=-5)), 400)
     assert error["param"] == "temperature" and error["type"] == "invalid_request_error"
+
+
+VOCAB = 49152  # SmolLM2's
+# The requests that killed the engine, crashed the server or were silently ignored before issue 18, and their
+# neighbours: (name, path, raw body, status, a word of the message or the param). Raw bodies, so that NaN,
+# huge integers and escaped lone surrogates reach the server as a hostile client sends them.
+KNOWN_KILLERS = [
+    ("top_k 2**70", COMPLETIONS, completion(top_k=2**70), 400, "top_k"),
+    ("top_k 2**70 streamed chat", CHAT, chat(top_k=2**70, stream=True), 400, "top_k"),
+    ("top_k 2**63", CHAT, chat(top_k=2**63), 400, "top_k"),
+    ("stop id = vocab with min_tokens", COMPLETIONS, completion(min_tokens=1, stop_token_ids=[VOCAB]), 400,
+     "stop_token_ids"),
+    ("stop id = vocab, no min_tokens", CHAT, chat(stop_token_ids=[VOCAB]), 400, "stop_token_ids"),
+    ("stop id 2**70", COMPLETIONS, completion(min_tokens=1, stop_token_ids=[2**70]), 400, "stop_token_ids"),
+    ("seed 2**64", COMPLETIONS, completion(seed=2**64), 400, "seed"),
+    ("n 2**40", COMPLETIONS, completion(n=2**40), 400, "n"),
+    ("max_tokens 2**70", COMPLETIONS, completion(max_tokens=2**70), 400, "max_tokens"),
+    ("min_tokens 2**70", CHAT, chat(min_tokens=2**70), 400, "min_tokens"),
+    ("temperature NaN", COMPLETIONS, '{"model": "smollm2", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("top_p Infinity", CHAT, json.dumps({"model": MODEL, "messages": USER})[:-1] + ', "top_p": Infinity}', 400,
+     "top_p"),
+    ("repetition_penalty -Infinity", COMPLETIONS,
+     '{"model": "smollm2", "prompt": "hi", "repetition_penalty": -Infinity}', 400, "repetition_penalty"),
+    ("lone surrogate prompt", COMPLETIONS, '{"model": "smollm2", "prompt": "hi \\ud800 there"}', 400, "surrogate"),
+    ("lone surrogate in a prompt list", COMPLETIONS, '{"model": "smollm2", "prompt": ["ok", "\\udfff"]}', 400,
+     "surrogate"),
+    ("lone surrogate message", CHAT,
+     '{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
+    ("lone surrogate model", CHAT, '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', 404,
+     "does not exist"),
+    ("lone surrogate stop", COMPLETIONS, '{"model": "smollm2", "prompt": "hi", "stop": ["\\ud800"]}', 400, "stop"),
+    ("guided_json", CHAT, chat(guided_json={"type": "object"}), 400, "guided_json"),
+    ("guided_choice", COMPLETIONS, completion(guided_choice=["a", "b"]), 400, "guided_choice"),
+    ("response_format json_object", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("response_format json_schema", COMPLETIONS, completion(response_format={"type": "json_schema"}), 400,
+     "response_format"),
+    ("tool_choice required", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("tool_choice a function", CHAT, chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400,
+     "tool_choice"),
+    ("use_beam_search", COMPLETIONS, completion(use_beam_search=True), 400, "use_beam_search"),
+    ("prompt_logprobs", COMPLETIONS, completion(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("continuous usage stats", COMPLETIONS, completion(stream=True, stream_options={"continuous_usage_stats": True}),
+     400, "continuous_usage_stats"),
+    ("1000 stop strings", COMPLETIONS, completion(stop=["a"] * 1000), 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, word", [case[1:] for case in KNOWN_KILLERS],
+                         ids=[case[0] for case in KNOWN_KILLERS])
+def test_a_known_killer_gets_a_clear_error(server, path, body, status, word):
+    assert_openai_error(server.post(path, data=body), status, word)
+
+
+def test_the_known_killers_leave_the_engine_serving(server, idle_engine, wait_idle):
+    for _, path, body, status, _ in KNOWN_KILLERS:
+        assert server.post(path, data=body).status_code == status
+    assert idle_engine.is_healthy
+    response = server.openai.completions.create(model=server.model, prompt="The capital of France is",
+                                                max_tokens=4, temperature=0)
+    assert "Paris" in response.choices[0].text
+    stats = wait_idle(idle_engine)
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_settings_that_do_nothing_are_accepted(server):
+    for body in (chat(tool_choice="none", max_tokens=1), chat(tools=[], max_tokens=1),
+                 chat(response_format={"type": "text"}, max_tokens=1), completion(use_beam_search=False, max_tokens=1),
+                 chat(modalities=["text"], max_tokens=1), chat(temperature=5, max_tokens=1)):
+        assert server.post(CHAT if "messages" in body else COMPLETIONS, data=body).status_code == 200, body
 
 
 def test_body_without_content_type_still_parses(server):
