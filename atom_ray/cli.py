@@ -39,10 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None, help="Ray cluster to join ('auto': the one running here); "
                        "default: start a local Ray on 127.0.0.1")
     serve.add_argument("--config", default=None, help="a serve config file (applications, http_options)")
+    serve.add_argument("--dashboard", action="store_true",
+                       help="start Ray's dashboard with a local Ray (127.0.0.1:8265, behind Ray's token; about "
+                       "1 GB more memory): `serve status` and `serve shutdown` need it")
     serve.add_argument("--cpus-per-rank", type=int, default=None)
     serve.add_argument("--gpus-per-rank", type=float, default=1.0,
                        help="GPU share of each TP rank; 0.5 puts two ranks on a GPU (to check TP numerics; slow)")
-    serve.add_argument("--max-pending-requests", type=int, default=256)
+    serve.add_argument("--max-pending-sequences", type=int, default=256,
+                       help="sequences (prompts x n) in flight at once; more get 429 (default 256)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer <key>' on every /v1/ route (default: the "
+                       "ATOM_RAY_API_KEY environment variable; none: no key)")
     add_engine_arguments(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -69,11 +76,12 @@ def run_bundle(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from atom_ray.serving import ServeOptions, serve_until_interrupted
-    options = ServeOptions(host=args.host, port=args.port, address=args.address, config_path=args.config)
+    options = ServeOptions(host=args.host, port=args.port, address=args.address, config_path=args.config,
+                           dashboard=args.dashboard)
     app_args = {"model": args.model, "served_model_name": args.served_model_name,
                 "engine_args": engine_kwargs_from_args(args), "cpus_per_rank": args.cpus_per_rank,
-                "gpus_per_rank": args.gpus_per_rank,
-                "max_pending_requests": args.max_pending_requests}
+                "gpus_per_rank": args.gpus_per_rank, "max_pending_sequences": args.max_pending_sequences,
+                "api_key": args.api_key}
     return serve_until_interrupted(options, app_args)
 
 

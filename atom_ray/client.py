@@ -14,7 +14,7 @@ import threading
 import uuid
 from typing import AsyncIterator
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.outputs import CompletionOutput, RequestOutput, drain_merged
 from engine.sampling_params import SamplingParams
 
@@ -58,7 +58,7 @@ class _Stream:
         outputs = [completions[i] if i in changed else _without_delta(completions[i]) for i in sorted(completions)]
         self.output = RequestOutput(self.output.request_id, self.output.prompt, self.output.prompt_token_ids,
                                     outputs, delta.finished, self.output.prompt_logprobs, delta.num_cached_tokens,
-                                    delta.metrics or self.output.metrics)
+                                    delta.metrics or self.output.metrics, delta.error)
         return self.output
 
 
@@ -93,7 +93,7 @@ class RayEngineClient:
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        self._stats: dict = {}
+        self._stats: dict = info.get("stats", {})
         self.error: BaseException | None = None
         self._closed = False
         self._poller = threading.Thread(target=self._poll_loop, name=f"atom-ray-poll-{self.client_id}", daemon=True)
@@ -115,10 +115,13 @@ class RayEngineClient:
             self._streams[request_id] = stream
         try:
             await self.coordinator.add_request.remote(self.client_id, request_id, prompt, params)
-        except Exception as exc:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            raise unwrap_ray_error(exc) from None
+        except BaseException as exc:
+            # Refused, or this caller was cancelled while the add was under way: the coordinator may have
+            # taken the request already, so it is aborted (a no-op for one it never took).
+            self.abort(request_id)
+            if isinstance(exc, Exception):
+                raise unwrap_ray_error(exc) from None
+            raise
         finished = False
         try:
             while True:
@@ -127,6 +130,8 @@ class RayEngineClient:
                     raise EngineDeadError(f"the engine failed: {item!r}") from item
                 item = drain_merged(stream.queue, item)  # a slow reader gets one output per read
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return

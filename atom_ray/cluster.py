@@ -1,18 +1,25 @@
-"""Connecting to Ray: join a running cluster, or start a local one bound to loopback without dashboard."""
+"""Connecting to Ray: join a running cluster, or start a local one bound to loopback without dashboard.
+
+A local cluster keeps Ray's token authentication (Ray >= 2.59 turns it on for every new local cluster unless
+RAY_AUTH_MODE says otherwise; nothing here says otherwise): every Ray port (GCS, raylet, workers, the
+dashboard agent's job API) refuses callers without the token, which Ray writes to ~/.ray/auth_token, where
+`ray`, `serve` and other drivers on this machine find it. The tests check it by probing every port."""
 from __future__ import annotations
 
 import atexit
 import importlib.util
+import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
+
+logger = logging.getLogger(__name__)
 
 LOCAL_ENV = {
     # Bind every Ray process to 127.0.0.1 (Ray otherwise rewrites it to the outward address).
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    # Ray 2.60 turns token authentication on by default; a local cluster and its CLI must agree.
-    "RAY_AUTH_MODE": "disabled",
 }
 
 # Only for a single-node cluster that atom-ray starts itself, never for one it joins. Ray's and Serve's
@@ -36,6 +43,10 @@ LOCAL_CLUSTER_SETTINGS = {
     "LOG_NAME_UPDATE_INTERVAL_S": "2",
     # The dashboard agent checks that its raylet is alive every 2 s instead of every 0.4 s.
     "RAY_DASHBOARD_AGENT_CHECK_PARENT_INTERVAL_S": "2",
+    # A stopping replica stays reachable 2 s instead of 30 s "so load balancers can deregister it": here the
+    # only load balancer is this machine's HAProxy, which Serve updates within a second. Without it, Ctrl-C
+    # took 32 s and ended with Serve's "Controller failed to shut down" warning.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
 
@@ -61,8 +72,10 @@ def haproxy_ingress_settings() -> dict[str, str]:
     # Short: Serve puts the files under <folder>/<56-character node id>/, and a Unix socket's path must
     # stay within 97 characters for HAProxy.
     folder = tempfile.mkdtemp(prefix="arh-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    wrapper = haproxy_wrapper_path()
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        **({"RAY_SERVE_HAPROXY_BINARY_PATH": wrapper} if wrapper else {}),
         "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(folder, "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(folder, "admin.sock"),
@@ -74,17 +87,31 @@ def haproxy_ingress_settings() -> dict[str, str]:
     }
 
 
+def haproxy_wrapper_path() -> str | None:
+    """`atom-ray-haproxy` (atom_ray/haproxy_wrapper.py), installed with the project: Serve runs it as its
+    haproxy, and it puts HAProxy's side ports on loopback and adds request time-outs."""
+    found = shutil.which("atom-ray-haproxy")
+    if found is None:
+        beside = os.path.join(os.path.dirname(sys.executable), "atom-ray-haproxy")
+        found = beside if os.access(beside, os.X_OK) else None
+    if found is None:
+        logger.warning("atom-ray-haproxy is not installed (pip install -e . installs it): HAProxy's stats and "
+                       "metrics ports will listen on every interface")
+    return os.path.abspath(found) if found else None
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
-        sock.bind(("", 0))
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def ensure_ray(address: str | None = None, join_running: bool = True, num_cpus: int | None = None) -> bool:
+def ensure_ray(address: str | None = None, join_running: bool = True, num_cpus: int | None = None,
+               dashboard: bool = False) -> bool:
     """Join `address`; else, with `join_running`, a cluster found by Ray's discovery (RAY_ADDRESS, or a Ray
-    running on this machine); else start a local one on 127.0.0.1 without dashboard, with
-    LOCAL_CLUSTER_SETTINGS and Serve's HAProxy ingress. Returns True when this call started a new local
-    cluster."""
+    running on this machine); else start a local one on 127.0.0.1, with LOCAL_CLUSTER_SETTINGS and Serve's
+    HAProxy ingress, and the dashboard (on 127.0.0.1:8265, behind the token; about 1 GB of memory; `serve
+    status` needs it) only if asked for. Returns True when this call started a new local cluster."""
     import ray
     if ray.is_initialized():
         return False
@@ -107,6 +134,18 @@ def ensure_ray(address: str | None = None, join_running: bool = True, num_cpus: 
             atexit.register(shutil.rmtree, ingress["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"], True)
     for key, value in settings.items():
         os.environ.setdefault(key, value)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
-             _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+             logging_level="WARNING", _node_ip_address="127.0.0.1")
+    _make_token_private()
     return True
+
+
+def _make_token_private() -> None:
+    """Ray writes its token file with the default umask (world-readable): any local user could read it
+    and run code as this one. Owner only."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    try:
+        if os.path.isfile(path) and os.stat(path).st_uid == os.getuid():
+            os.chmod(path, 0o600)
+    except OSError as exc:
+        logger.warning("could not make %s private: %s", path, exc)

@@ -13,6 +13,7 @@ from functools import partial
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class OutputDelta:
     # The engine's timestamps (time.monotonic() on the coordinator's node; compare intervals only), sent with
     # the first output and the last.
     metrics: RequestMetrics | None = None
+    error: str | None = None  # the request failed alone in a step (its last delta)
 
     @classmethod
     def from_output(cls, output: RequestOutput, first: bool) -> "OutputDelta":
@@ -55,7 +57,8 @@ class OutputDelta:
                        for c in output.outputs if c.new_token_ids or c.new_text or c.finish_reason]
         metrics = replace(output.metrics) if output.metrics is not None and (first or output.finished) else None
         return cls(output.request_id, completions, output.finished, output.num_cached_tokens,
-                   output.prompt_token_ids if first else None, output.prompt_logprobs if first else None, metrics)
+                   output.prompt_token_ids if first else None, output.prompt_logprobs if first else None, metrics,
+                   output.error)
 
 
 @dataclass
@@ -82,10 +85,10 @@ class Coordinator:
             self._event_loop = asyncio.get_running_loop()
             self._engine_loop = EngineLoop(
                 lambda: LLMEngine(self.config, executor_factory=self._executor_factory, show_progress=False),
-                self._publish, self._fail, name="coordinator-step-loop")
+                self._publish, self._fail, name="coordinator-step-loop", step_timeout_s=self.config.step_timeout_s)
         engine = await asyncio.wrap_future(self._engine_loop.built)
         return {"model": self.config.model, "max_model_len": engine.max_model_len,
-                "tokenizer": engine.tokenizer, "config": engine.config}
+                "tokenizer": engine.tokenizer, "config": engine.config, "stats": self.stats()}
 
     @property
     def error(self) -> BaseException | None:
@@ -94,13 +97,16 @@ class Coordinator:
     # ---- called by clients ----------------------------------------------------------------------------
     async def add_request(self, client_id: str, request_id: str, prompt, params: SamplingParams) -> None:
         if self.error is not None:
-            raise RuntimeError(f"the engine failed: {self.error!r}")
+            raise EngineDeadError(f"the engine failed: {self.error!r}")
         self.owner[request_id] = client_id  # first: outputs may come before the engine confirms the add
         try:
             # Raises InvalidRequestError to the caller when the engine refuses the request.
             await asyncio.wrap_future(self._engine_loop.add(request_id, prompt, params))
         except BaseException:
+            # Refused, or the caller's call was cancelled (its client timed out): a request the engine took
+            # just before the cancellation is stopped again.
             self.owner.pop(request_id, None)
+            self._engine_loop.abort(request_id)
             raise
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -3,7 +3,9 @@ until it answers, print the URL, and clean up on Ctrl-C."""
 from __future__ import annotations
 
 import importlib
+import os
 import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -19,6 +21,7 @@ class ServeOptions:
     port: int = 8000
     address: str | None = None
     config_path: str | None = None
+    dashboard: bool = False
     ready_timeout_s: float = 900.0
 
 
@@ -45,9 +48,11 @@ def build_application(import_path: str, args: dict):
     return builder(args or {})
 
 
-def wait_until_healthy(url: str, timeout_s: float) -> None:
+def wait_until_healthy(url: str, timeout_s: float, stop: threading.Event | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
                 if response.status == 200:
@@ -58,7 +63,18 @@ def wait_until_healthy(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f}s")
 
 
-def deploy(options: ServeOptions, app_args: dict) -> list[tuple[str, str]]:
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+API_KEY_ENV = "ATOM_RAY_API_KEY"
+
+
+def warn_if_exposed_without_key(host: str, app_name: str, app_args: dict) -> None:
+    if host in LOOPBACK_HOSTS or app_args.get("api_key") or os.environ.get(API_KEY_ENV):
+        return
+    print(f"atom-ray: WARNING: {app_name} listens on {host} without an API key: anyone who can reach this "
+          f"machine can use the model. Pass --api-key or set {API_KEY_ENV}.", file=sys.stderr, flush=True)
+
+
+def deploy(options: ServeOptions, app_args: dict, stop: threading.Event | None = None) -> list[tuple[str, str]]:
     """Deploy and wait until every app answers /health. Returns (name, url prefix) per application."""
     from ray import serve
     if options.config_path:
@@ -71,12 +87,14 @@ def deploy(options: ServeOptions, app_args: dict) -> list[tuple[str, str]]:
         host, port = options.host, options.port
         apps = [(DEFAULT_APP_NAME, "/", "deployments.serve_app:build_app", app_args)]
     built = [(name, prefix, build_application(path, args)) for name, prefix, path, args in apps]
+    for name, _, _, args in apps:
+        warn_if_exposed_without_key(host, name, args)
     serve.start(http_options={"host": host, "port": port})
     served = []
     for name, prefix, application in built:
         serve.run(application, name=name, route_prefix=prefix, blocking=False)
         base = f"http://{host}:{port}{prefix.rstrip('/')}"
-        wait_until_healthy(f"{base}/health", options.ready_timeout_s)
+        wait_until_healthy(f"{base}/health", options.ready_timeout_s, stop)
         served.append((name, base))
     return served
 
@@ -90,10 +108,10 @@ def serve_until_interrupted(options: ServeOptions, app_args: dict) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    started_ray = ensure_ray(options.address, join_running=False)
+    started_ray = ensure_ray(options.address, join_running=False, dashboard=options.dashboard)
     served = []
     try:
-        served = deploy(options, app_args)
+        served = deploy(options, app_args, stop)
         for name, base in served:
             print(f"atom-ray: {name} is serving at {base}/v1 (OpenAI-compatible). Ctrl-C to stop.", flush=True)
         while not stop.wait(1.0):

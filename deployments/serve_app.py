@@ -6,19 +6,31 @@ the OpenAI-compatible FastAPI app, and answers Python handle calls from other Ra
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+
+from atom_ray.serving import API_KEY_ENV, LOOPBACK_HOSTS
+from deployments.openai.guard import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+logger = logging.getLogger(__name__)
+
 
 DEFAULT_DEPLOYMENT = {
     # The engine batches internally; Serve's default of 5 ongoing requests per replica would starve it.
     "max_ongoing_requests": 1024,
     # The replica only relays requests; its rank actors reserve the cores and GPUs.
     "ray_actor_options": {"num_cpus": 0},
+    # A replica's shutdown stops its engine in a few seconds; Serve need not wait its default 20 s.
+    "graceful_shutdown_timeout_s": 5,
+    "graceful_shutdown_wait_loop_s": 1,
 }
 
 
@@ -33,12 +45,28 @@ class AppConfig(BaseModel):
     gpus_per_rank: float = Field(default=1.0, gt=0, le=1)  # 0.5: two TP ranks per GPU (numerics checks, slow)
     accelerator_type: str | None = None  # e.g. AMD-Instinct-MI355X-OAM: ranks only on such GPUs
     placement_timeout_s: float = Field(default=600.0, gt=0)
-    max_pending_requests: int = Field(default=256, ge=1)
+    # Sequences (prompts x n) in flight at once; more get 429, a request larger than this alone 400.
+    max_pending_sequences: int = Field(default=256, ge=1)
+    max_request_body_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1)
+    # The OpenAI API key (every /v1/ route then needs `Authorization: Bearer <key>`). Unset: the replica's
+    # ATOM_RAY_API_KEY environment variable, which keeps the key out of the config file.
+    api_key: str | None = Field(default=None, min_length=1)
+    # Refuse to start without a key: for deployments reachable from other machines.
+    require_api_key: bool = False
+    # Failed engine restarts in a row before the replica reports itself unhealthy (Serve then replaces it).
+    max_engine_restarts: int = Field(default=5, ge=0)
     deployment_config: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    def resolved_api_key(self) -> str | None:
+        key = self.api_key or os.environ.get(API_KEY_ENV) or None
+        if key is None and self.require_api_key:
+            raise ValueError(f"this application requires an API key (require_api_key: true): set {API_KEY_ENV} "
+                             "in the environment of the Ray nodes, or api_key in the app args")
+        return key
 
 
 @serve.deployment
@@ -46,21 +74,27 @@ class AppConfig(BaseModel):
 class OpenAIServer:
     def __init__(self, config: dict) -> None:
         import atom_ray
+        from atom_ray.supervisor import SupervisedEngine
         self.config = AppConfig(**config)
-        self.engine = atom_ray.start(self.config.model, cpus_per_rank=self.config.cpus_per_rank,
-                                     gpus_per_rank=self.config.gpus_per_rank,
-                                     accelerator_type=self.config.accelerator_type,
-                                     placement_timeout_s=self.config.placement_timeout_s, **self.config.engine_args)
+        self.api_key = self.config.resolved_api_key()
+        _warn_if_exposed_without_key(self.api_key)
+        self.engine = SupervisedEngine(
+            lambda: atom_ray.start(self.config.model, cpus_per_rank=self.config.cpus_per_rank,
+                                   gpus_per_rank=self.config.gpus_per_rank,
+                                   accelerator_type=self.config.accelerator_type,
+                                   placement_timeout_s=self.config.placement_timeout_s, **self.config.engine_args),
+            max_restarts=self.config.max_engine_restarts)
 
     def __serve_build_asgi_app__(self):
         from deployments.openai.app import build_openai_app
-        return build_openai_app(self.engine.client, self.config.name, self.config.max_pending_requests)
+        return build_openai_app(self.engine, self.config.name, self.config.max_pending_sequences, self.api_key,
+                                self.config.max_request_body_bytes)
 
     async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
         """For handle calls: {"prompt": str | [ids]} or {"messages": [...]}, plus SamplingParams fields.
         Yields {"text", "token_ids", "finish_reason"} deltas."""
         prompt, params = self._parse(request)
-        async for output in self.engine.client.generate(prompt, params):
+        async for output in self.engine.generate(prompt, params):
             completion = output.outputs[0]
             yield {"text": completion.new_text, "token_ids": completion.new_token_ids,
                    "finish_reason": completion.finish_reason}
@@ -69,24 +103,29 @@ class OpenAIServer:
         """For handle calls: the whole completion at once."""
         prompt, params = self._parse(request)
         output = None
-        async for output in self.engine.client.generate(prompt, params):
+        async for output in self.engine.generate(prompt, params):
             pass
         return {"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
                 "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}}
 
     def check_health(self) -> None:
-        if not self.engine.client.is_healthy:
-            raise RuntimeError("engine is not healthy")
+        """Serve's check: a replica whose engine is restarting stays (it answers 503 meanwhile); one whose
+        restarts failed is replaced."""
+        if self.engine.failed is not None:
+            raise RuntimeError(f"the engine could not be restarted: {self.engine.failed}")
 
     def _parse(self, request: dict):
+        """A handle call's request, checked as the HTTP API checks it (the engine's SamplingParams bounds)."""
+        if not isinstance(request, dict):
+            raise InvalidRequestError(f"a request is a dict with 'prompt' or 'messages', not {type(request).__name__}")
         request = dict(request)
         if "messages" in request:
             prompt = self.engine.tokenizer.encode_chat(request.pop("messages"))
         elif "prompt" in request:
             prompt = request.pop("prompt")
         else:
-            raise ValueError("a request needs 'prompt' or 'messages'")
-        return prompt, SamplingParams(**request)
+            raise InvalidRequestError("a request needs 'prompt' or 'messages'")
+        return prompt, SamplingParams.from_dict(request)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -97,6 +136,20 @@ class OpenAIServer:
                 pass
 
 
+def _warn_if_exposed_without_key(api_key: str | None) -> None:
+    """Best effort: Serve's HTTP host is read through its private client (no public API says it)."""
+    if api_key is not None:
+        return
+    try:
+        from ray.serve.context import _get_global_client
+        host = _get_global_client().http_config.host
+    except Exception:  # an internal API that moved: no warning rather than no replica
+        return
+    if host not in LOOPBACK_HOSTS:
+        logger.warning("the OpenAI API listens on %s without an API key: anyone who reaches it can use the model. "
+                       "Set %s (or api_key in the app args).", host, API_KEY_ENV)
+
+
 def build_app(args: dict) -> serve.Application:
     """The builder that serve configs name. Invalid args fail here with a message naming the field."""
     try:
@@ -104,5 +157,6 @@ def build_app(args: dict) -> serve.Application:
     except ValidationError as exc:
         raise ValueError(f"invalid atom-ray app args: {exc}") from None
     EngineConfig.from_kwargs(config.model, **config.engine_args)  # engine arguments checked before deploying
+    config.resolved_api_key()  # a required key missing here is missing on the replicas too, most likely
     options = {**DEFAULT_DEPLOYMENT, **config.deployment_config}
     return OpenAIServer.options(**options).bind(config.model_dump())

@@ -138,10 +138,14 @@ def test_another_ray_driver_streams_through_a_handle(served, ray_cluster):
 
 @pytest.fixture
 def isolated_ray_env():
-    """A Ray of its own: RAY_ADDRESS=local keeps `serve run` from joining the test session's cluster, and a
-    temp dir of its own (short, for Ray's socket paths) keeps their files apart; removed afterwards."""
-    env = {**os.environ, "RAY_ADDRESS": "local"}
+    """A Ray of its own, as a user starts it: RAY_ADDRESS=local keeps `serve run` from joining the test
+    session's cluster; token authentication as Ray and atom-ray default it (RAY_AUTH_MODE unset), with a home
+    of its own for the token file; a temp dir of its own (short, for Ray's socket paths). Removed afterwards."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_AUTH_MODE"}
+    env["RAY_ADDRESS"] = "local"
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ar-", dir="/tmp")
+    env["HOME"] = os.path.join(env["RAY_TMPDIR"], "home")
+    os.makedirs(env["HOME"])
     yield env
     shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
@@ -173,17 +177,42 @@ def test_serve_run_of_the_local_config_answers(tmp_path, isolated_ray_env):
         stop(process)
 
 
+def assert_no_open_control_endpoint(root_pid: int) -> None:
+    from socket_audit import audit
+    findings = audit(root_pid)
+    report = "\n".join(f"{f.socket.process} {f.socket.address}:{f.socket.port} {f.kind}: {f.verdict}" for f in findings)
+    assert sum(f.kind == "grpc" for f in findings) >= 3, report  # GCS, raylet, workers at least were probed
+    assert not [f for f in findings if f.problem], report
+
+
+def assert_ray_tools_work_with_the_token_and_not_without(env: dict) -> None:
+    # As the README says: Ray's command-line tools find the token in ~/.ray/auth_token, and (Ray 2.60) send it
+    # when RAY_AUTH_MODE=token says they should.
+    tools = {**env, "RAY_AUTH_MODE": "token"}
+    status = subprocess.run(["serve", "status"], env=tools, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and "atom-ray" in status.stdout, status.stderr[-2000:]
+    ray_status = subprocess.run(["ray", "status"], env={**tools, "RAY_ADDRESS": "auto"}, capture_output=True, text=True,
+                                timeout=120)
+    assert ray_status.returncode == 0 and "Resources" in ray_status.stdout, ray_status.stderr[-2000:]
+    stranger = {**env, "RAY_ADDRESS": "auto", "HOME": tempfile.mkdtemp(prefix="ar-stranger-"), "RAY_AUTH_MODE": "token"}
+    refused = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='auto')"], env=stranger,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "token" in refused.stderr.lower(), refused.stderr[-2000:]
+    shutil.rmtree(stranger["HOME"], ignore_errors=True)
+
+
 def test_atom_ray_serve_command_starts_its_own_local_ray(isolated_ray_env):
-    """With no cluster to join it starts one on 127.0.0.1 with Serve's HAProxy ingress in front of the
-    replica, prints the URL, streams completions (a client that leaves mid-stream gets its KV blocks
-    freed), and cleans up on Ctrl-C."""
+    """With no cluster to join it starts one on 127.0.0.1 with token authentication and Serve's HAProxy
+    ingress in front of the replica, prints the URL, streams completions (a client that leaves mid-stream
+    gets its KV blocks freed), opens no control endpoint to callers without the token while `serve status`
+    with the token works, and cleans up on Ctrl-C within 10 s, without warnings."""
     from openai import OpenAI
 
     from atom_ray.cluster import haproxy_available
     port = free_port()
     haproxy_folders = set(glob.glob("/tmp/arh-*"))
     process = subprocess.Popen([sys.executable, "-m", "atom_ray.cli", "serve", "--port", str(port),
-                                "--max-model-len", "1024"], cwd=ROOT, env=isolated_ray_env, stdout=subprocess.PIPE,
+                                "--max-model-len", "1024", "--dashboard"], cwd=ROOT, env=isolated_ray_env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     healthy = False
@@ -202,12 +231,19 @@ def test_atom_ray_serve_command_starts_its_own_local_ray(isolated_ray_env):
         assert "Paris" in "".join(c.choices[0].text for c in chunks if c.choices)
         assert chunks[-1].usage.completion_tokens == 8
         assert_leaving_mid_stream_frees_kv_blocks(base, "smollm2-135m", max_tokens=900)
+        assert_no_open_control_endpoint(process.pid)
+        assert_ray_tools_work_with_the_token_and_not_without(isolated_ray_env)
     finally:
+        stopping = time.monotonic()
         output = stop(process)
+        stop_seconds = time.monotonic() - stopping
         if not healthy:
             print(output[-6000:])
     assert f"{base}/v1" in output
     assert process.returncode == 0, output[-3000:]
+    assert stop_seconds < 10, output[-3000:]
+    tail = output[output.index("shutting down"):]
+    assert "WARNING" not in tail and "Traceback" not in tail, tail[-3000:]
     assert set(glob.glob("/tmp/arh-*")) <= haproxy_folders  # its HAProxy folder went with it
 
 
