@@ -63,6 +63,11 @@ class EngineHandle:
     def stats(self) -> dict:
         return self.client.stats()
 
+    def rank_process_ids(self) -> list[tuple[str, int]]:
+        """(node address, pid) of every tensor-parallel rank, rank 0 first."""
+        import ray
+        return ray.get(self.coordinator.rank_process_ids.remote())
+
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop the engine: a clean stop of its ranks if it comes within `timeout_s`, then the actors are
         killed and the placement group removed either way."""

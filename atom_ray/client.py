@@ -113,8 +113,12 @@ class RayEngineClient:
         stream = _Stream(asyncio.get_running_loop(), prompt)
         with self._lock:  # registered first: outputs may arrive before add_request returns
             self._streams[request_id] = stream
+        added = self.coordinator.add_request.remote(self.client_id, request_id, prompt, params).future()
         try:
-            await self.coordinator.add_request.remote(self.client_id, request_id, prompt, params)
+            # Shielded: a caller that is cancelled (its HTTP client left) must not cancel the coordinator's call
+            # half-way (asyncio.shield also marks its late error as seen); the request is aborted below
+            # instead, after the add, which the coordinator orders.
+            await asyncio.shield(asyncio.wrap_future(added))
         except BaseException as exc:
             # Refused, or this caller was cancelled while the add was under way: the coordinator may have
             # taken the request already, so it is aborted (a no-op for one it never took).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -126,6 +127,13 @@ class Coordinator:
                 pass
         outbox, client.outbox = client.outbox, []
         return outbox, self.stats()
+
+    async def rank_process_ids(self) -> list[tuple[str, int]]:
+        """(node address, pid) of every TP rank, rank 0 (this process) first."""
+        import ray
+        peers = self._engine_loop.engine.executor.peers
+        return [(ray.util.get_node_ip_address(), os.getpid())] + await asyncio.gather(
+            *(peer.process_id.remote() for peer in peers))
 
     def stats(self) -> dict:
         stats = self._engine_loop.stats()

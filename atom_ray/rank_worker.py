@@ -4,6 +4,7 @@ peer sits in `follow()`, running every plan that rank 0 broadcasts, until rank 0
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
@@ -35,6 +36,11 @@ class RankWorker:
 
     async def follow(self) -> None:
         await self._off_loop(self.worker.follow)
+
+    def process_id(self) -> tuple[str, int]:
+        """(node address, pid) of this rank's process: which process to look at when a rank misbehaves."""
+        import ray
+        return ray.util.get_node_ip_address(), os.getpid()
 
     async def shutdown(self) -> None:
         if self.worker is not None:

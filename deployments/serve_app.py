@@ -108,6 +108,10 @@ class OpenAIServer:
         return {"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
                 "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}}
 
+    async def rank_process_ids(self) -> list[tuple[str, int]]:
+        """For handle calls: (node address, pid) of each tensor-parallel rank of this replica's engine."""
+        return await self.engine.handle.coordinator.rank_process_ids.remote()
+
     def check_health(self) -> None:
         """Serve's check: a replica whose engine is restarting stays (it answers 503 meanwhile); one whose
         restarts failed is replaced."""

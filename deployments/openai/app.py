@@ -28,6 +28,7 @@ def build_openai_app(client, served_model_name: str, max_pending_sequences: int 
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be at least 1 (got {max_request_body_bytes})")
     ctx = ServingContext(client, served_model_name, AppMetrics(), Admission(max_pending_sequences))
+    ctx.metrics.track_admission(lambda: ctx.admission.in_flight)
     # strict_content_type=False: a JSON body without a Content-Type header (curl -d ...) still parses.
     app = FastAPI(title="atom-ray OpenAI-compatible API", strict_content_type=False)
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_body_bytes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.outputs import RequestMetrics
@@ -30,6 +30,7 @@ _ENGINE_COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens the engine accepted."),
     ("generation_tokens", "generation_tokens", "Tokens the engine generated."),
     ("num_preemptions", "num_preemptions", "Sequences preempted for lack of KV cache blocks."),
+    ("engine_restarts", "engine_restarts", "Times the engine was restarted after a failure."),
 )
 
 
@@ -77,6 +78,11 @@ class AppMetrics:
         self._engine_stats = _EngineStatsCollector()
         self.registry.register(self._engine_stats)
         self.registry.register(self)
+
+    def track_admission(self, in_flight) -> None:
+        """`in_flight()`: the sequences this app has admitted and not yet finished."""
+        Gauge(PREFIX + "num_pending_sequences", "Sequences (prompts x n) admitted by this app and not finished.",
+              registry=self.registry).set_function(in_flight)
 
     def _histogram(self, name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(PREFIX + name, help_text, registry=self.registry, buckets=buckets)

@@ -39,9 +39,62 @@ def wait_healthy(url: str, timeout: float = 300) -> None:
     pytest.fail(f"{url} never became healthy")
 
 
-def kv_cache_usage(base: str) -> float:
+def metric(base: str, name: str) -> float:
     text = requests.get(f"{base}/metrics", timeout=10).text
-    return float(next(l for l in text.splitlines() if l.startswith("atom_ray:kv_cache_usage_perc")).split()[-1])
+    return float(next(l for l in text.splitlines() if l.startswith(f"atom_ray:{name}")).split()[-1])
+
+
+def kv_cache_usage(base: str) -> float:
+    return metric(base, "kv_cache_usage_perc")
+
+
+def wait_until_nothing_runs(base: str, timeout: float = 30) -> None:
+    """No request running or waiting, every KV block free, no admission slot held."""
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_pending_sequences")
+    deadline = time.monotonic() + timeout
+    while any(metric(base, name) for name in names):
+        assert time.monotonic() < deadline, {name: metric(base, name) for name in names}
+        time.sleep(0.2)
+
+
+def start_stream(base: str, model: str, **fields):
+    """A streaming completion that has sent its first event; returns (response, its line iterator)."""
+    response = requests.post(f"{base}/v1/completions", stream=True, timeout=60,
+                             json={"model": model, "prompt": "Tell me a long story.", "max_tokens": 1500,
+                                   "ignore_eos": True, "stream": True, **fields})
+    lines = response.iter_lines()  # kept: a dropped line iterator closes the connection
+    assert response.status_code == 200 and next(line for line in lines if line).startswith(b"data: {")
+    return response, lines
+
+
+def assert_cancellations_leave_nothing_behind(base: str, model: str) -> None:
+    """Clients that give up at every stage of a request, on an engine that runs two sequences at a time in
+    64-token steps: while queued, while their prompt is prefilled (streaming or not), while decoding, between
+    two stream events. The engine serves on, and no KV block or admission slot stays taken."""
+    long_prompt = "The history of the world, told slowly. " * 150  # about 1200 tokens: about 19 steps
+    holders = [start_stream(base, model) for _ in range(2)]  # both sequence slots taken
+    with pytest.raises(requests.ReadTimeout):  # queued behind them; the client gives up after 1 s
+        requests.post(f"{base}/v1/completions", stream=True, timeout=(5, 1),
+                      json={"model": model, "prompt": "Queued", "max_tokens": 5, "stream": True})
+    for response, _ in holders:  # decoding
+        response.close()
+    for stream in (False, True):  # prefilling
+        with pytest.raises(requests.ReadTimeout):  # a prompt of its own each time: no prefix-cache hit
+            requests.post(f"{base}/v1/completions", stream=stream, timeout=(5, 1.5),
+                          json={"model": model, "prompt": f"{stream} {long_prompt}", "max_tokens": 5, "stream": stream})
+        time.sleep(0.5)
+    response, lines = start_stream(base, model)  # between two events
+    time.sleep(0.3)
+    response.close()
+    with pytest.raises(requests.ReadTimeout):  # a whole completion, given up while it decodes
+        requests.post(f"{base}/v1/completions", timeout=(5, 2),
+                      json={"model": model, "prompt": "Count to a thousand.", "max_tokens": 1000, "ignore_eos": True})
+    wait_until_nothing_runs(base)
+    assert requests.get(f"{base}/health", timeout=10).status_code == 200
+    reply = requests.post(f"{base}/v1/completions", timeout=60, json={"model": model, "prompt": "The capital of France is",
+                                                                       "max_tokens": 4, "temperature": 0})
+    assert reply.status_code == 200 and "Paris" in reply.json()["choices"][0]["text"]
+    wait_until_nothing_runs(base)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +104,10 @@ def served(ray_cluster):
     from deployments.serve_app import build_app
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # Two sequences at a time and 64-token steps: a third request waits, and a long prompt prefills over many
+    # steps, so that clients can give up at every stage.
     serve.run(build_app({"model": "smollm2-135m", "served_model_name": "smol",
-                         "engine_args": {"max_model_len": 2048, "max_num_seqs": 16}}),
+                         "engine_args": {"max_model_len": 2048, "max_num_seqs": 2, "max_num_batched_tokens": 64}}),
               name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(f"{base}/health")
@@ -115,6 +170,50 @@ def assert_leaving_mid_stream_frees_kv_blocks(base: str, model: str, max_tokens:
 
 def test_disconnect_mid_stream_returns_kv_blocks(served):
     assert_leaving_mid_stream_frees_kv_blocks(served, "smol", max_tokens=1500)
+
+
+def test_clients_giving_up_at_any_stage_leave_nothing_behind_through_serves_proxy(served):
+    assert_cancellations_leave_nothing_behind(served, "smol")
+
+
+def test_a_killed_engine_fails_its_streams_and_the_deployment_serves_again(served):
+    """The coordinator (rank 0, which runs the scheduler) is killed with two streams in flight: they end
+    with an error event; while the replica restarts its engine, new requests get a fast 503; then the
+    deployment serves again, with no person involved."""
+    from ray import serve
+    (_, coordinator_pid), = serve.get_app_handle(APP_NAME).rank_process_ids.remote().result()
+    streams = [start_stream(served, "smol") for _ in range(2)]
+    os.kill(coordinator_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    for _, lines in streams:
+        events = [line for line in lines if line]
+        assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2], events[-2:]
+    assert time.monotonic() - killed < 10
+    began = time.monotonic()
+    refused = requests.post(f"{served}/v1/completions", timeout=30, json={"model": "smol", "prompt": "hi"})
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    assert time.monotonic() - began < 2
+    wait_healthy(f"{served}/health", timeout=120)
+    assert metric(served, "engine_restarts") == 1
+    reply = requests.post(f"{served}/v1/completions", timeout=60, json={"model": "smol", "prompt": "The capital of France is",
+                                                                        "max_tokens": 4, "temperature": 0})
+    assert reply.status_code == 200 and "Paris" in reply.json()["choices"][0]["text"]
+    wait_until_nothing_runs(served)
+
+
+@pytest.mark.parametrize("request_body, message", [
+    ({"prompt": "hi", "top_k": 2**70}, r"SamplingParams\.top_k"),
+    ({"prompt": "hi", "min_tokens": 1, "stop_token_ids": [49152]}, "outside the vocabulary"),
+    ({"prompt": "hi", "top_q": 0.5}, "unknown sampling parameter.*top_q"),
+    ({"prompt": "hi \ud800"}, "lone surrogate"),
+    ({"text": "hi"}, "needs 'prompt' or 'messages'"),
+])
+def test_handle_calls_get_the_engines_bounds_and_the_replica_serves_on(served, request_body, message):
+    from ray import serve
+    handle = serve.get_app_handle(APP_NAME)
+    with pytest.raises(Exception, match=message):
+        handle.generate.remote(request_body).result()
+    assert handle.generate.remote({"prompt": "Hi", "max_tokens": 2}).result()["finish_reason"] == "length"
 
 
 def test_another_ray_driver_streams_through_a_handle(served, ray_cluster):
@@ -212,7 +311,8 @@ def test_atom_ray_serve_command_starts_its_own_local_ray(isolated_ray_env):
     port = free_port()
     haproxy_folders = set(glob.glob("/tmp/arh-*"))
     process = subprocess.Popen([sys.executable, "-m", "atom_ray.cli", "serve", "--port", str(port),
-                                "--max-model-len", "1024", "--dashboard"], cwd=ROOT, env=isolated_ray_env, stdout=subprocess.PIPE,
+                                "--max-model-len", "2048", "--max-num-seqs", "2", "--max-num-batched-tokens", "64",
+                                "--dashboard"], cwd=ROOT, env=isolated_ray_env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     healthy = False
@@ -231,6 +331,7 @@ def test_atom_ray_serve_command_starts_its_own_local_ray(isolated_ray_env):
         assert "Paris" in "".join(c.choices[0].text for c in chunks if c.choices)
         assert chunks[-1].usage.completion_tokens == 8
         assert_leaving_mid_stream_frees_kv_blocks(base, "smollm2-135m", max_tokens=900)
+        assert_cancellations_leave_nothing_behind(base, "smollm2-135m")
         assert_no_open_control_endpoint(process.pid)
         assert_ray_tools_work_with_the_token_and_not_without(isolated_ray_env)
     finally:
@@ -253,3 +354,21 @@ def test_bad_app_args_fail_at_build_naming_the_field(args, field):
     from deployments.serve_app import build_app
     with pytest.raises(ValueError, match=f"(?s)invalid atom-ray app args.*{field}"):
         build_app(args)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "deployments" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_serve_config_builds(path, monkeypatch):
+    from atom_ray.serving import build_application, load_serve_config
+    monkeypatch.setenv("ATOM_RAY_API_KEY", "sk-test")
+    for app in load_serve_config(str(path))["applications"]:
+        build_application(app["import_path"], app["args"])
+
+
+def test_a_config_reachable_from_other_machines_refuses_to_start_without_an_api_key(monkeypatch):
+    from atom_ray.serving import build_application, load_serve_config
+    config = load_serve_config(str(ROOT / "deployments" / "configs" / "mi355x_tp8.yaml"))
+    assert config["http_options"]["host"] == "0.0.0.0"
+    monkeypatch.delenv("ATOM_RAY_API_KEY", raising=False)
+    app = config["applications"][0]
+    with pytest.raises(ValueError, match="requires an API key.*ATOM_RAY_API_KEY"):
+        build_application(app["import_path"], app["args"])
