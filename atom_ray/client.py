@@ -83,6 +83,9 @@ def _without_delta(completion: CompletionOutput) -> CompletionOutput:
 
 class RayEngineClient:
     POLL_TIMEOUT_S = 1.0
+    # A poll answers within POLL_TIMEOUT_S; one that has not answered this much later means the coordinator
+    # hangs (a stopped process, a stuck event loop): its requests fail and the client reports it dead.
+    COORDINATOR_SILENCE_S = 10.0
 
     def __init__(self, coordinator, info: dict) -> None:
         self.coordinator = coordinator
@@ -155,9 +158,13 @@ class RayEngineClient:
         import ray
         while not self._closed:
             try:
-                deltas, stats = ray.get(self.coordinator.poll.remote(self.client_id, self.POLL_TIMEOUT_S))
+                deltas, stats = ray.get(self.coordinator.poll.remote(self.client_id, self.POLL_TIMEOUT_S),
+                                        timeout=self.POLL_TIMEOUT_S + self.COORDINATOR_SILENCE_S)
             except Exception as exc:
                 if not self._closed:
+                    if isinstance(exc, ray.exceptions.GetTimeoutError):
+                        exc = EngineDeadError(f"the coordinator has not answered for {self.COORDINATOR_SILENCE_S:.0f} s "
+                                              "(its process hangs)")
                     logger.error("coordinator unreachable: %r", exc)
                     self.error = exc
                     self._fail_all(exc)

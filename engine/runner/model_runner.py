@@ -137,8 +137,10 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         for layer in self.attention_layers:
             shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN.
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN. Written,
+            # not calloc'ed: on CPU, torch.zeros maps pages that become resident only when first written, so
+            # the process would grow by up to the whole cache while serving (and could be killed for it then).
+            layer.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device).zero_()
         if (self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs
                 and not get_parallel_state().host_collectives):  # gloo's collectives cannot be captured
             graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size, self.max_model_len,

@@ -97,6 +97,21 @@ def test_a_hung_rank_trips_the_step_watchdog_and_the_engine_comes_back(supervise
             pass
 
 
+def test_a_hung_coordinator_fails_requests_and_the_engine_comes_back(supervised):
+    """SIGSTOP on the coordinator (rank 0 and the scheduler): its polls stop answering; the client gives it
+    COORDINATOR_SILENCE_S, then fails its requests; the supervisor kills it and starts a new engine."""
+    restarts, (_, coordinator_pid) = supervised.restarts, supervised.handle.rank_process_ids()[0]
+    outcomes, injected = run_fault(supervised, lambda: os.kill(coordinator_pid, signal.SIGSTOP))
+    try:
+        assert "has not answered" in str(outcomes[0][0])
+        assert_failed_fast_then_serves_again(supervised, outcomes, injected, within_s=15, restarts=restarts)
+    finally:
+        try:
+            os.kill(coordinator_pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_killed_coordinator_fails_requests_and_the_engine_comes_back(supervised):
     restarts, (_, coordinator_pid) = supervised.restarts, supervised.handle.rank_process_ids()[0]
     outcomes, injected = run_fault(supervised, lambda: os.kill(coordinator_pid, signal.SIGKILL))

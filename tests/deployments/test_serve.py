@@ -293,6 +293,18 @@ def assert_ray_tools_work_with_the_token_and_not_without(env: dict) -> None:
     ray_status = subprocess.run(["ray", "status"], env={**tools, "RAY_ADDRESS": "auto"}, capture_output=True, text=True,
                                 timeout=120)
     assert ray_status.returncode == 0 and "Resources" in ray_status.stdout, ray_status.stderr[-2000:]
+    # Another Ray job, as the README shows it, with nothing set: Ray finds the token file by itself.
+    driver = textwrap.dedent("""
+        import ray
+        from ray import serve
+        ray.init(address="auto", logging_level="ERROR")
+        reply = serve.get_app_handle("atom-ray").generate.remote({"prompt": "The capital of France is",
+                                                                 "max_tokens": 4, "temperature": 0}).result()
+        print("REPLY", reply["text"])
+    """)
+    joined = subprocess.run([sys.executable, "-c", driver], env={**env, "RAY_ADDRESS": "auto"}, capture_output=True,
+                            text=True, timeout=180)
+    assert joined.returncode == 0 and "Paris" in joined.stdout, joined.stderr[-2000:]
     stranger = {**env, "RAY_ADDRESS": "auto", "HOME": tempfile.mkdtemp(prefix="ar-stranger-"), "RAY_AUTH_MODE": "token"}
     refused = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='auto')"], env=stranger,
                              capture_output=True, text=True, timeout=120)
