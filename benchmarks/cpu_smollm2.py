@@ -133,10 +133,13 @@ def hf_continuous_batching_throughput(model, prompts, output_lens) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_out/cpu_smollm2.json")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's step budget (default: the engine's, 512 on CPU)")
     args = parser.parse_args()
 
     from engine import LLM
-    llm = LLM("smollm2-135m", dtype="bfloat16", show_progress=False)
+    llm = LLM("smollm2-135m", dtype="bfloat16", show_progress=False,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     source = llm.engine.source
     model = hf_model_from_engine_weights(source)
     config = source.hf_config
