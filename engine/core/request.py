@@ -68,11 +68,6 @@ class Request:
         return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        """More than one token to compute: a prompt (or a preempted request's recompute) under way."""
-        return self.num_tokens_to_compute > 1
-
-    @property
     def will_finish_by_length(self) -> bool:
         """Its pending tokens already reach max_tokens: scheduling it again would be wasted work."""
         return self.num_output_tokens + self.num_pending_tokens >= self.max_tokens

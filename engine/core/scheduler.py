@@ -85,10 +85,10 @@ class Scheduler:
         self._forget_on_runners = set()
         threshold = self.config.long_prefill_token_threshold or max(1, self.config.max_num_batched_tokens // 2)
         self._budget = self.config.max_num_batched_tokens
-        decodes = [r for r in self.running if not r.is_prefilling]
-        prefills = [r for r in self.running if r.is_prefilling]
-        short = [r for r in prefills if r.num_tokens_to_compute <= threshold]
-        long = [r for r in prefills if r.num_tokens_to_compute > threshold]
+        decodes, short, long = [], [], []
+        for request in self.running:
+            num_tokens = request.num_tokens_to_compute
+            (decodes if num_tokens <= 1 else short if num_tokens <= threshold else long).append(request)
 
         preempted = self._schedule_running(decodes, out)
         reserve = min(threshold, self._budget) if long else 0
@@ -137,22 +137,21 @@ class Scheduler:
         return preempted
 
     def _admit_waiting(self, out: SchedulerOutput, threshold: int, long_ones: bool) -> None:
-        """Admit waiting requests in arrival order: the short ones (whole prompt within the threshold) or
-        the long ones. A request that cannot be admitted (no blocks, no budget) keeps its place; a long one
-        is not admitted while another long prefill is under way."""
+        """Admit waiting requests in arrival order: the short ones (all their tokens within the threshold) or
+        one long one, unless a long prefill is under way. A request that cannot be admitted (no blocks, no
+        budget) keeps its place. Only the request being admitted has its prefix-cache hit looked up: this
+        runs every step, over every waiting request."""
+        if long_ones and any(r.num_tokens_to_compute > max(threshold, out.num_scheduled_tokens.get(r.request_id, 0))
+                             for r in self.running):
+            return  # a long prefill is under way and continues next step
         for request in list(self.waiting):
             if self._budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if request.num_pending_tokens:  # preempted while a launched step samples for it
-                continue
+            if request.num_pending_tokens or (request.num_tokens > threshold) != long_ones:
+                continue  # preempted while a launched step samples for it; or of the other kind
             cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_tokens = request.num_tokens - num_cached_tokens
-            if (num_tokens > threshold) != long_ones:
-                continue
-            if long_ones and any(r.num_tokens_to_compute - out.num_scheduled_tokens.get(r.request_id, 0) > 0
-                                 and r.num_tokens_to_compute > threshold for r in self.running):
-                return  # a long prefill is under way and continues next step
             if num_tokens > self._budget:
                 if not self.config.enable_chunked_prefill:
                     return
@@ -171,6 +170,8 @@ class Scheduler:
                 request.sampling_params, list(request.block_ids), num_cached_tokens))
             out.num_scheduled_tokens[request.request_id] = num_tokens
             self._budget -= num_tokens
+            if long_ones:
+                return
 
     def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
         """Append sampled tokens, apply token-level stop conditions, cache newly computed blocks.
