@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import AsyncIterator, Callable
 
 from engine.errors import EngineDeadError
@@ -40,10 +39,6 @@ class SupervisedEngine:
         self._watcher.start()
 
     # ---- the client interface ---------------------------------------------------------------------------
-    @property
-    def client(self):
-        return self.handle.client
-
     @property
     def is_healthy(self) -> bool:
         return not self.restarting and self.failed is None and self.handle.client.is_healthy
@@ -94,6 +89,9 @@ class SupervisedEngine:
                 return
             try:
                 self.handle = self._start()
+                if self._closed.is_set():  # shut down while this one started
+                    self.handle.shutdown(timeout_s=TEARDOWN_TIMEOUT_S)
+                    return
                 self.restarts += 1
                 logger.warning("the engine is serving again (restart %d)", self.restarts)
                 return
