@@ -76,43 +76,30 @@ async def stream_until_it_fails_strict(engine):
         pass
 
 
-def test_a_killed_rank_fails_requests_and_the_engine_comes_back(supervised):
-    restarts, (_, peer_pid) = supervised.restarts, supervised.handle.rank_process_ids()[1]
-    outcomes, injected = run_fault(supervised, lambda: os.kill(peer_pid, signal.SIGKILL))
-    assert_failed_fast_then_serves_again(supervised, outcomes, injected, within_s=10, restarts=restarts)
+# (rank hit, signal, a word of the error the streams get, how soon they must get it)
+FAULTS = {
+    "a killed rank": (1, signal.SIGKILL, "failed", 10),
+    # SIGSTOP: the rank's process is alive but does nothing, so rank 0 waits in a collective for ever; the
+    # step watchdog (step_timeout_s=2 plus twice the slowest step) ends it.
+    "a hung rank": (1, signal.SIGSTOP, "watchdog", 15),
+    # The coordinator (rank 0 and the scheduler) stops answering its polls; the client gives it
+    # COORDINATOR_SILENCE_S, then fails its requests, and the supervisor kills it.
+    "a hung coordinator": (0, signal.SIGSTOP, "has not answered", 15),
+    "a killed coordinator": (0, signal.SIGKILL, "", 10),
+}
 
 
-def test_a_hung_rank_trips_the_step_watchdog_and_the_engine_comes_back(supervised):
-    """SIGSTOP: the rank's process is alive but does nothing, so rank 0 waits in a collective for ever;
-    the watchdog (step_timeout_s=2 plus twice the slowest step) ends it."""
-    restarts, (_, peer_pid) = supervised.restarts, supervised.handle.rank_process_ids()[1]
-    outcomes, injected = run_fault(supervised, lambda: os.kill(peer_pid, signal.SIGSTOP))
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_fault_fails_requests_fast_and_the_engine_comes_back(supervised, fault):
+    rank, sig, word, within_s = FAULTS[fault]
+    restarts, (_, pid) = supervised.restarts, supervised.handle.rank_process_ids()[rank]
+    outcomes, injected = run_fault(supervised, lambda: os.kill(pid, sig))
     try:
-        assert "watchdog" in str(outcomes[0][0])
-        assert_failed_fast_then_serves_again(supervised, outcomes, injected, within_s=15, restarts=restarts)
+        assert word in str(outcomes[0][0])
+        assert_failed_fast_then_serves_again(supervised, outcomes, injected, within_s=within_s, restarts=restarts)
     finally:
-        try:
-            os.kill(peer_pid, signal.SIGCONT)  # if it still exists (the teardown kills it)
-        except ProcessLookupError:
-            pass
-
-
-def test_a_hung_coordinator_fails_requests_and_the_engine_comes_back(supervised):
-    """SIGSTOP on the coordinator (rank 0 and the scheduler): its polls stop answering; the client gives it
-    COORDINATOR_SILENCE_S, then fails its requests; the supervisor kills it and starts a new engine."""
-    restarts, (_, coordinator_pid) = supervised.restarts, supervised.handle.rank_process_ids()[0]
-    outcomes, injected = run_fault(supervised, lambda: os.kill(coordinator_pid, signal.SIGSTOP))
-    try:
-        assert "has not answered" in str(outcomes[0][0])
-        assert_failed_fast_then_serves_again(supervised, outcomes, injected, within_s=15, restarts=restarts)
-    finally:
-        try:
-            os.kill(coordinator_pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-
-def test_a_killed_coordinator_fails_requests_and_the_engine_comes_back(supervised):
-    restarts, (_, coordinator_pid) = supervised.restarts, supervised.handle.rank_process_ids()[0]
-    outcomes, injected = run_fault(supervised, lambda: os.kill(coordinator_pid, signal.SIGKILL))
-    assert_failed_fast_then_serves_again(supervised, outcomes, injected, within_s=10, restarts=restarts)
+        if sig == signal.SIGSTOP:
+            try:
+                os.kill(pid, signal.SIGCONT)  # if it still exists (the restart kills it)
+            except ProcessLookupError:
+                pass
