@@ -67,11 +67,12 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 API_KEY_ENV = "ATOM_RAY_API_KEY"
 
 
-def warn_if_exposed_without_key(host: str, app_name: str, app_args: dict) -> None:
-    if host in LOOPBACK_HOSTS or app_args.get("api_key") or os.environ.get(API_KEY_ENV):
-        return
-    print(f"atom-ray: WARNING: {app_name} listens on {host} without an API key: anyone who can reach this "
-          f"machine can use the model. Pass --api-key or set {API_KEY_ENV}.", file=sys.stderr, flush=True)
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to tell the operator when the OpenAI API listens beyond loopback without a key (None: nothing)."""
+    if host in LOOPBACK_HOSTS or api_key or os.environ.get(API_KEY_ENV):
+        return None
+    return (f"the OpenAI API listens on {host} without an API key: anyone who can reach it can use the model. "
+            f"Pass --api-key, or set {API_KEY_ENV} (or api_key in the app args).")
 
 
 def deploy(options: ServeOptions, app_args: dict, stop: threading.Event | None = None) -> list[tuple[str, str]]:
@@ -88,7 +89,9 @@ def deploy(options: ServeOptions, app_args: dict, stop: threading.Event | None =
         apps = [(DEFAULT_APP_NAME, "/", "deployments.serve_app:build_app", app_args)]
     built = [(name, prefix, build_application(path, args)) for name, prefix, path, args in apps]
     for name, _, _, args in apps:
-        warn_if_exposed_without_key(host, name, args)
+        warning = exposure_warning(host, args.get("api_key"))
+        if warning:
+            print(f"atom-ray: WARNING: {name}: {warning}", file=sys.stderr, flush=True)
     serve.start(http_options={"host": host, "port": port})
     served = []
     for name, prefix, application in built:

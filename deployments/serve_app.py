@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
-from atom_ray.serving import API_KEY_ENV, LOOPBACK_HOSTS
+from atom_ray.serving import API_KEY_ENV, exposure_warning
 from deployments.openai.guard import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -149,9 +149,9 @@ def _warn_if_exposed_without_key(api_key: str | None) -> None:
         host = _get_global_client().http_config.host
     except Exception:  # an internal API that moved: no warning rather than no replica
         return
-    if host not in LOOPBACK_HOSTS:
-        logger.warning("the OpenAI API listens on %s without an API key: anyone who reaches it can use the model. "
-                       "Set %s (or api_key in the app args).", host, API_KEY_ENV)
+    warning = exposure_warning(host, api_key)
+    if warning:
+        logger.warning(warning)
 
 
 def build_app(args: dict) -> serve.Application:

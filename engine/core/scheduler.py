@@ -31,6 +31,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
+        # Prefills with more tokens left than this are long (see schedule); default half the budget.
+        self.long_prefill_threshold = (config.long_prefill_token_threshold
+                                       or max(1, config.max_num_batched_tokens // 2))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -83,7 +86,7 @@ class Scheduler:
         (the threshold), so a stream of short prompts cannot starve it."""
         out = SchedulerOutput(finished_request_ids=self._forget_on_runners)
         self._forget_on_runners = set()
-        threshold = self.config.long_prefill_token_threshold or max(1, self.config.max_num_batched_tokens // 2)
+        threshold = self.long_prefill_threshold
         self._budget = self.config.max_num_batched_tokens
         decodes, short, long = [], [], []
         for request in self.running:
@@ -95,11 +98,11 @@ class Scheduler:
         self._budget -= reserve
         preempted |= self._schedule_running(short, out)
         if not preempted:
-            self._admit_waiting(out, threshold, long_ones=False)
+            self._admit_waiting(out, long_ones=False)
         self._budget += reserve
         preempted |= self._schedule_running(long, out)
         if not preempted:
-            self._admit_waiting(out, threshold, long_ones=True)
+            self._admit_waiting(out, long_ones=True)
 
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
@@ -136,11 +139,12 @@ class Scheduler:
             self._budget -= num_tokens
         return preempted
 
-    def _admit_waiting(self, out: SchedulerOutput, threshold: int, long_ones: bool) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, long_ones: bool) -> None:
         """Admit waiting requests in arrival order: the short ones (all their tokens within the threshold) or
         one long one, unless a long prefill is under way. A request that cannot be admitted (no blocks, no
         budget) keeps its place. Only the request being admitted has its prefix-cache hit looked up: this
         runs every step, over every waiting request."""
+        threshold = self.long_prefill_threshold
         if long_ones and any(r.num_tokens_to_compute > max(threshold, out.num_scheduled_tokens.get(r.request_id, 0))
                              for r in self.running):
             return  # a long prefill is under way and continues next step
