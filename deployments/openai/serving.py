@@ -3,6 +3,7 @@ prompt length), and running the engine requests as a JSON response or as a serve
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -125,8 +126,9 @@ class ServingContext:
             return from_exception(exc).response()
         finally:
             if not handed_to_stream:
-                await engine.close()
+                engine.abort()  # before any await (see EngineRequests.abort)
                 ticket.release()
+                await engine.close()
 
 
 async def _final_outputs(engine: EngineRequests, num_prompts: int) -> list[RequestOutput]:
@@ -163,16 +165,23 @@ class _EventStreamResponse(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._engine = engine
         self._on_close = on_close
+        # A response that is dropped without being sent (its handler cancelled between returning it and
+        # sending it) still aborts its requests when it is collected.
+        weakref.finalize(self, engine.abort)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            # First what needs no await: in a cancelled task (the client left through Serve's proxy) every
+            # await below may raise at once, and an abort placed after one was skipped, leaving the request
+            # running with its KV blocks.
+            self._engine.abort()
+            self._on_close()
             try:
                 await self.body_iterator.aclose()
-                await self._engine.close()
             finally:
-                self._on_close()
+                await self._engine.close()
 
 
 async def run_guarded(handler: Awaitable[Response]) -> Response:

@@ -58,6 +58,9 @@ class Ticket:
             self.admission = None
 
 
+_ABORTS_IN_FLIGHT: set[asyncio.Future] = set()
+
+
 class EngineRequests:
     """The engine requests of one HTTP request, one per prompt. `outputs()` yields (prompt index, output) in
     arrival order; `close()` aborts the unfinished ones so their KV blocks are freed."""
@@ -121,18 +124,26 @@ class EngineRequests:
             else:
                 yield index, item
 
-    async def close(self) -> None:
-        """Abort what has not finished. Safe to call more than once and from a cancelled task (it awaits
-        nothing that the engine could hold up)."""
+    def abort(self) -> None:
+        """Abort what has not finished, without awaiting anything: it runs whole even in a task whose every
+        await is cancelled (Serve cancels the handler of a client that left, and a cancelled scope cancels
+        each later await), so cleanup code calls it before its first await. Safe to call more than once."""
         for task in self._tasks:
             task.cancel()
         for index in sorted(self.unfinished):
             result = self.client.abort(self.request_ids[index])
-            if inspect.isawaitable(result):
-                asyncio.ensure_future(result)
+            if inspect.isawaitable(result):  # kept referenced until done: the loop holds tasks weakly
+                task = asyncio.ensure_future(result)
+                _ABORTS_IN_FLIGHT.add(task)
+                task.add_done_callback(_ABORTS_IN_FLIGHT.discard)
             for _ in range(self.params.n):
                 self.metrics.record_finished("abort")
         self.unfinished.clear()
+
+    async def close(self) -> None:
+        """`abort`, then close the engine streams (each awaited alone: one that fails skips none of the
+        others)."""
+        self.abort()
         generators, self._generators = self._generators, []
         for generator in generators:
             try:
