@@ -21,6 +21,9 @@ ARCHITECTURES = {
     "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=48),
+    # Mixture of experts: 8 experts of width 64, 2 (or more) per token, so routing decides the output.
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=48, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
 }
 
 

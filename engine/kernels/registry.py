@@ -27,6 +27,12 @@ OPS = (
     "silu_and_mul",         # (x[..., 2I]) -> silu(x[..., :I]) * x[..., I:]
     "gated_gemm",           # (x, weight[2I,K], bias|None) -> silu_and_mul(gemm(x, weight, bias)): the MLP's gate/up
     "sample",               # (logits[B,V] fp32, SamplingTensors) -> token ids [B] int64
+    # Mixture of experts (engine/kernels/torch/moe.py states the contracts):
+    "moe_topk_softmax",     # (logits[T,E] fp32, top_k, renormalize) -> (weights[T,k] fp32, ids[T,k] int32)
+    "moe_grouped_topk",     # (logits, top_k, renormalize, num_groups, topk_groups, scoring, bias|None,
+                            #   routed_scaling_factor) -> (weights, ids)
+    "fused_experts",        # (x[T,H], w13[E,2I,H], w2[E,H,I], weights[T,k] fp32, ids[T,k] int32, -1 = none)
+                            #   -> [T,H]: the weighted sum of each token's experts' MLPs
 )
 
 # name -> module that defines BACKEND (a KernelBackend) and available(device) -> str | None (why not).

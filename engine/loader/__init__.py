@@ -44,41 +44,60 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
 
 
 def load_weights(model: nn.Module, weights, total: int | None = None, show_progress: bool = True) -> None:
-    """Feed (HF name, full tensor) pairs to the parameters' weight loaders; fail on anything missing."""
+    """Feed (HF name, full tensor) pairs to the parameters' weight loaders; fail on anything missing.
+
+    A model may rename checkpoint tensors first (`remap_checkpoint_name`: a new name, or None to skip one);
+    routed-expert tensors, per expert or fused, go to their FusedMoE's parameters; the names in the
+    model's `packed_modules_mapping` go to their fused projection's shard."""
+    from engine.layers.fused_moe import FusedMoE
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
+    remap = getattr(model, "remap_checkpoint_name", None)
     expected_shards = {}
     for target, shard in packed.values():
         expected_shards.setdefault(target, set()).add(shard)
     loaded: dict[str, set] = {}
     tie = getattr(model, "tie_word_embeddings", False)
     with torch.no_grad():
-        for name, tensor in tqdm(weights, total=total, desc="Loading weights", unit="tensor",
-                                 disable=not show_progress, leave=False):
-            if "rotary_emb.inv_freq" in name or (tie and name == "lm_head.weight"):
+        for checkpoint_name, tensor in tqdm(weights, total=total, desc="Loading weights", unit="tensor",
+                                            disable=not show_progress, leave=False):
+            name = remap(checkpoint_name) if remap is not None else checkpoint_name
+            if name is None or "rotary_emb.inv_freq" in name or (tie and name == "lm_head.weight"):
                 continue
             shard = None
-            for source_name, (target, shard_id) in packed.items():
-                if f".{source_name}." in name:
-                    name, shard = name.replace(f".{source_name}.", f".{target}."), shard_id
-                    break
+            expert_target = FusedMoE.checkpoint_target(name)
+            if expert_target is not None:
+                name, shard = expert_target
+            else:
+                for source_name, (target, shard_id) in packed.items():
+                    if f".{source_name}." in name:
+                        name, shard = name.replace(f".{source_name}.", f".{target}."), shard_id
+                        break
             param = params.get(name)
             if param is None:
-                raise ModelSourceError(f"checkpoint tensor {name!r} has no parameter in "
+                raise ModelSourceError(f"checkpoint tensor {checkpoint_name!r} has no parameter in "
                                        f"{type(model).__name__}; is this the right architecture?")
             loader = getattr(param, "weight_loader", None)
-            if shard is not None:
-                loader(param, tensor, shard)
-            elif loader is not None:
-                loader(param, tensor)
-            else:
-                if param.shape != tensor.shape:
-                    raise ModelSourceError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                           f"expected {tuple(param.shape)}")
-                param.data.copy_(tensor)
+            try:
+                if shard is not None:
+                    loader(param, tensor, shard)
+                elif loader is not None:
+                    loader(param, tensor)
+                else:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+            except ValueError as exc:
+                raise ModelSourceError(f"checkpoint tensor {checkpoint_name!r} does not fit {name}: {exc}") from exc
             loaded.setdefault(name, set()).add(shard)
     missing = []
-    for name in params:
+    for name, param in params.items():
+        check = getattr(param, "check_loaded", None)
+        if check is not None:
+            problem = check(param, loaded.get(name, set()))
+            if problem:
+                missing.append(f"{name}: {problem}")
+            continue
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
         want = expected_shards.get(module, {None})
         if not want <= loaded.get(name, set()):

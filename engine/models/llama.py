@@ -19,6 +19,16 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rotary_dim_of(config, head_dim: int) -> int:
+    """The rotated features per head: partial_rotary_factor (in rope_parameters with transformers 5, a
+    top-level attribute before), else a `rotary_dim` attribute, else the whole head."""
+    from engine.layers.rotary_embedding import rope_parameters
+    factor = rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if factor is not None:
+        return int(head_dim * factor)
+    return int(getattr(config, "rotary_dim", None) or head_dim)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
@@ -29,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
                                         input_shard=self.qkv_proj.q_shard)
-        rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        rotary_dim = rotary_dim_of(config, self.head_dim)
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, rotary_dim, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if qk_norm:
@@ -51,13 +61,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    """`intermediate_size` defaults to the config's; `reduce_results=False` leaves the TP partial sum
+    unreduced (a MoE layer's shared experts, reduced with the routed ones)."""
+
+    def __init__(self, config, intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=bias,
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_gated(x))
@@ -68,12 +83,11 @@ class LlamaDecoderLayer(nn.Module):
     between layers (see ops.fused_add_rms_norm); the GEMMs' inputs and outputs stay in the activations'
     dtype."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 residual_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.residual_dtype = residual_dtype  # None: the embedding's (the activations') dtype
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,12 +103,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 residual_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config, build_attention, build_mlp, residual_dtype: torch.dtype | None = None) -> None:
+        """`build_attention(layer index)` and `build_mlp(layer index)` make each layer's blocks."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, residual_dtype)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, build_attention(i), build_mlp(i), residual_dtype)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -118,8 +132,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
-        bias = getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, **self.attention_flags(config, bias), residual_dtype=residual_dtype)
+        self.model = LlamaModel(config, self.build_attention, self.build_mlp, residual_dtype=residual_dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -128,6 +141,13 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def attention_flags(config, bias: bool) -> dict:
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def build_attention(self, layer_index: int) -> nn.Module:
+        config = self.config
+        return LlamaAttention(config, **self.attention_flags(config, getattr(config, "attention_bias", False)))
+
+    def build_mlp(self, layer_index: int) -> nn.Module:
+        return LlamaMLP(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -31,6 +31,19 @@ class ParallelState:
     # Some ranks of the group share a GPU, so the whole group's collectives go through gloo in host memory
     # (the same on every rank, or their collectives would not match), and no rank captures CUDA graphs.
     host_collectives: bool = False
+    # Data parallelism with expert-parallel MoE: dp_size engine instances of tp_size ranks each, whose MoE
+    # layers form one EP group of dp_size * tp_size ranks (vLLM's EP = DP x TP). Without expert parallelism
+    # DP ranks share no group at all (each is an independent engine), and these keep their defaults.
+    dp_rank: int = 0
+    dp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: object | None = None  # the device group of all EP ranks (None: no expert parallelism)
+    dp_leaders_group: object | None = None  # gloo group of every DP rank's TP rank 0 (the lockstep vote)
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.ep_group is not None
 
 
 _state = ParallelState()
@@ -41,12 +54,16 @@ def get_parallel_state() -> ParallelState:
 
 
 def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device,
-                  timeout_s: float = 600.0, reduce_in_fp32: bool = True) -> ParallelState:
-    """Join a tensor-parallel group of `tp_size` processes rendezvousing at `init_method`
-    (e.g. tcp://127.0.0.1:29500). `reduce_in_fp32`: see RowParallelLinear."""
+                  timeout_s: float = 600.0, reduce_in_fp32: bool = True, dp_rank: int = 0, dp_size: int = 1,
+                  expert_parallel: bool = False) -> ParallelState:
+    """Join the groups of this rank rendezvousing at `init_method` (e.g. tcp://127.0.0.1:29500): the
+    tensor-parallel group of `tp_size` ranks and, with `expert_parallel`, the EP group of all
+    dp_size x tp_size ranks (this rank is number dp_rank * tp_size + tp_rank of it). `reduce_in_fp32`: see
+    RowParallelLinear."""
     global _state
-    if tp_size == 1:
-        _state = ParallelState()
+    world_size = dp_size * tp_size if expert_parallel else tp_size
+    if world_size == 1:
+        _state = ParallelState(dp_rank=dp_rank, dp_size=dp_size)
         return _state
     import datetime
     import os
@@ -54,23 +71,41 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     if urlparse(init_method).hostname in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the outward interface
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, init_method=init_method, rank=tp_rank, world_size=tp_size,
+    rank = dp_rank * tp_size + tp_rank if expert_parallel else tp_rank
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    ranks = list(range(tp_size))
-    cpu_group = dist.new_group(ranks, backend="gloo") if backend != "gloo" else dist.group.WORLD
+    everyone = list(range(world_size))
+    world_cpu_group = dist.new_group(everyone, backend="gloo") if backend != "gloo" else dist.group.WORLD
+    if world_size == tp_size:
+        tp_group, tp_cpu_group = dist.group.WORLD, world_cpu_group
+    else:  # one TP group per DP rank; every rank creates every group, in the same order
+        tp_group = tp_cpu_group = None
+        for dp in range(dp_size):
+            members = list(range(dp * tp_size, (dp + 1) * tp_size))
+            device_group = dist.new_group(members, backend=backend)
+            cpu_group = dist.new_group(members, backend="gloo") if backend != "gloo" else device_group
+            if dp == dp_rank:
+                tp_group, tp_cpu_group = device_group, cpu_group
+    leaders = dist.new_group([dp * tp_size for dp in range(dp_size)], backend="gloo") if expert_parallel else None
+    extra = dict(dp_rank=dp_rank, dp_size=dp_size, ep_rank=rank if expert_parallel else 0,
+                 ep_size=world_size if expert_parallel else 1, dp_leaders_group=leaders)
     if backend == "nccl":
-        devices: list = [None] * tp_size
-        dist.all_gather_object(devices, device_identity(device), group=cpu_group)
-        ranks_on_device, host_collectives = device_layout(devices, tp_rank)
+        devices: list = [None] * world_size
+        dist.all_gather_object(devices, device_identity(device), group=world_cpu_group)
+        ranks_on_device, host_collectives = device_layout(devices, rank)
         if host_collectives:  # every rank takes this path, so the collectives match
             logger.warning(
-                "TP ranks share a GPU (%s): all-reduces go through gloo in host memory and CUDA graphs are "
+                "ranks share a GPU (%s): collectives go through gloo in host memory and CUDA graphs are "
                 "off; use this to check numerics, not speed", devices)
-            _state = ParallelState(tp_rank, tp_size, cpu_group, cpu_group, None, reduce_in_fp32, ranks_on_device,
-                                   host_collectives=True)
+            _state = ParallelState(tp_rank, tp_size, tp_cpu_group, tp_cpu_group, None, reduce_in_fp32,
+                                   ranks_on_device, host_collectives=True,
+                                   ep_group=world_cpu_group if expert_parallel else None, **extra)
             return _state
-    small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device) if backend == "nccl" else None
-    _state = ParallelState(tp_rank, tp_size, dist.group.WORLD, cpu_group, small_all_reduce, reduce_in_fp32)
+    small_all_reduce = None
+    if backend == "nccl" and tp_size > 1 and world_size == tp_size:  # symmetric memory over the whole world
+        small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device)
+    _state = ParallelState(tp_rank, tp_size, tp_group, tp_cpu_group, small_all_reduce, reduce_in_fp32,
+                           ep_group=dist.group.WORLD if expert_parallel else None, **extra)
     return _state
 
 
@@ -109,6 +144,16 @@ def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return host.to(x.device)
     dist.all_reduce(x, group=_state.device_group)
     return x
+
+
+def dp_any(flag: bool) -> bool:
+    """Whether `flag` is true on any DP rank (called by every DP rank's TP rank 0 at the same point of
+    its step loop: the lockstep vote of data-parallel ranks whose MoE layers exchange tokens)."""
+    if _state.dp_leaders_group is None:
+        return flag
+    vote = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_state.dp_leaders_group)
+    return bool(vote.item())
 
 
 def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -128,5 +128,5 @@ class Worker:
 
     def _broadcast(self, message):
         holder = [message]
-        dist.broadcast_object_list(holder, src=0, group=get_parallel_state().cpu_group)
+        dist.broadcast_object_list(holder, group=get_parallel_state().cpu_group, group_src=0)
         return holder[0]

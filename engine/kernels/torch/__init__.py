@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.torch import ops
+from engine.kernels.torch import moe, ops
 from engine.kernels.torch.attention import TorchAttentionBackend
 from engine.kernels.torch.sampling import sample
 
@@ -17,6 +17,9 @@ BACKEND = KernelBackend(
         "silu_and_mul": ops.silu_and_mul,
         "gated_gemm": ops.gated_gemm,
         "sample": sample,
+        "moe_topk_softmax": moe.moe_topk_softmax,
+        "moe_grouped_topk": moe.moe_grouped_topk,
+        "fused_experts": moe.fused_experts,
     },
     attention=TorchAttentionBackend,
 )

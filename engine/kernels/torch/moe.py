@@ -1,0 +1,79 @@
+"""Mixture-of-experts reference ops in plain PyTorch: routing (top-k of softmax or sigmoid scores, with
+group limits, a selection bias and a scaling factor) and the expert MLPs over routed tokens. These are the
+oracle for the Triton and AITER versions, and what runs on CPU.
+
+Conventions shared by every backend:
+- routing takes float32 router logits [T, E] and returns (weights [T, k] float32, ids [T, k] int32);
+- `fused_experts(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k])` returns
+  sum_k weights[t, k] * w2[e] @ (silu(gate) * up)(w13[e] @ x[t]) for e = ids[t, k], in x's dtype, summed
+  in float32 and rounded once. An id of -1 (an expert held by another rank) contributes nothing.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def moe_topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, then the top k (Mixtral, Qwen3-MoE); `renormalize` makes the k weights
+    sum to one."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def moe_grouped_topk(logits: torch.Tensor, top_k: int, renormalize: bool, num_groups: int, topk_groups: int,
+                     scoring: str, correction_bias: torch.Tensor | None,
+                     routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-k (DeepSeek-V2/V3, GLM-4.5, MiniMax-M2 with one group): scores are softmax or
+    sigmoid of the logits; experts are chosen by score + correction_bias (the bias only steers the choice),
+    first the `topk_groups` best of `num_groups` equal groups (a group's rank: the sum of its two best
+    biased scores when there is a bias, its best score otherwise), then the top k inside them. The weights
+    are the unbiased scores of the chosen experts, renormalised (+1e-20) if asked, times the scaling factor."""
+    logits = logits.float()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    num_tokens, num_experts = choice.shape
+    if num_groups > 1:
+        grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
+        if correction_bias is not None:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        group_ids = torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts' MLPs, one expert at a time over the tokens routed to it (HF's loop, kept as the
+    reference: no fused kernel can be checked against anything simpler)."""
+    num_tokens, hidden = x.shape
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out.to(x.dtype)
+    flat_ids = ids.reshape(-1).long()
+    token_of_pair = torch.arange(num_tokens, device=x.device).repeat_interleave(ids.shape[1])
+    flat_weights = weights.reshape(-1).float()
+    intermediate = w2.shape[2]
+    for expert in torch.unique(flat_ids).tolist():
+        if expert < 0:
+            continue
+        pairs = (flat_ids == expert).nonzero(as_tuple=True)[0]
+        tokens = token_of_pair[pairs]
+        gate_up = F.linear(x[tokens], w13[expert])
+        hidden_act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        y = F.linear(hidden_act, w2[expert]).float() * flat_weights[pairs, None]
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)

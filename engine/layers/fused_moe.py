@@ -1,0 +1,264 @@
+"""Mixture-of-experts layer: a router, the routed experts in the fused layout, optional shared experts.
+
+Expert weights are held fused, as transformers 5 holds them in memory: `w13` [E_local, 2I, H] (gate rows,
+then up rows) and `w2` [E_local, H, I]. They are split one of two ways:
+- tensor parallel (the default): every rank holds every expert with its slice of I; the partial outputs
+  are summed across the TP group, as a row-parallel linear's are;
+- expert parallel (`enable_expert_parallel`): each of the EP group's dp_size x tp_size ranks holds whole
+  experts, a contiguous range of them (uneven counts allowed: the first ranks take one more). Tokens go to
+  their experts' ranks and back through `engine.parallel.all_to_all`; ranks of one TP group each send a
+  slice of the (replicated) tokens and gather the results, so no expert work is done twice.
+
+Checkpoints may name experts one by one (`experts.<e>.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) or
+fused (`experts.gate_up_proj`, `experts.down_proj`); `FusedMoE.checkpoint_target` maps either to the
+parameter and shard. Routing, the expert GEMMs and the exchange are each behind a dispatch point
+(`engine.kernels.ops`, `make_all_to_all`), where the Triton, AITER and MORI versions plug in.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.kernels import ops
+from engine.layers.linear import ReplicatedLinear, shard_range
+from engine.parallel import get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce
+from engine.parallel.all_to_all import make_all_to_all
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How a model chooses its experts. `kind` names an entry of ROUTERS."""
+    kind: str                      # "softmax_topk" | "grouped_topk"
+    top_k: int
+    renormalize: bool = True
+    scoring: str = "softmax"       # grouped_topk: "softmax" | "sigmoid"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # a learned per-expert bias added to the scores for selection only
+
+
+def _softmax_topk(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None):
+    weights, ids = ops.moe_topk_softmax(logits, config.top_k, config.renormalize)
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * config.routed_scaling_factor
+    return weights, ids
+
+
+def _grouped_topk(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None):
+    return ops.moe_grouped_topk(logits, config.top_k, config.renormalize, config.num_groups, config.topk_groups,
+                                config.scoring, bias, config.routed_scaling_factor)
+
+
+# The router registry: kind -> (router logits [T, E] float32, config, correction bias) -> (weights, ids).
+ROUTERS = {
+    "softmax_topk": _softmax_topk,   # Mixtral, Qwen3-MoE (renormalize = norm_topk_prob)
+    "grouped_topk": _grouped_topk,   # DeepSeek-V2/V3, GLM-4.5 (sigmoid + bias + groups), MiniMax-M2 (1 group)
+}
+
+
+def _check_router(config: RouterConfig, num_experts: int) -> None:
+    if config.kind not in ROUTERS:
+        raise ValueError(f"unknown MoE router {config.kind!r}; known: {sorted(ROUTERS)}")
+    if not 0 < config.top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={config.top_k} must be in [1, {num_experts}]")
+    if config.scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"MoE scoring function {config.scoring!r} is not supported (softmax, sigmoid)")
+    if num_experts % config.num_groups or not 0 < config.topk_groups <= config.num_groups:
+        raise ValueError(f"{num_experts} experts cannot form {config.num_groups} groups with topk_group="
+                         f"{config.topk_groups}")
+
+
+class Router(nn.Module):
+    """The gate: router logits in float32 (the choice between near-tied experts decides whole outputs, so
+    the weight is kept in float32 whatever the model's dtype), and the selection bias where there is one."""
+
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def route(self, x: torch.Tensor, config: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(x.float(), self.weight)
+        return ROUTERS[config.kind](logits, config, self.e_score_correction_bias)
+
+
+class ExpertLoad:
+    """Tokens routed to each expert of a layer since start (or the last reset): the load per expert that
+    benchmarks print and that shows routing imbalance under expert parallelism. Counting is off by default
+    (it costs a device sync per layer); `FusedMoE.count_expert_load(True)` turns it on."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.counts = torch.zeros(num_experts, dtype=torch.int64)
+
+    def add(self, ids: torch.Tensor) -> None:
+        flat = ids.reshape(-1).long()
+        self.counts += torch.bincount(flat[flat >= 0].cpu(), minlength=self.counts.numel())
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, router: RouterConfig,
+                 shared_experts: nn.Module | None = None, shared_expert_gate: bool = False) -> None:
+        """`shared_experts`: an MLP run on every token beside the routed experts, built with an unreduced
+        row-parallel down projection (its partial sum is reduced together with the routed experts')."""
+        super().__init__()
+        _check_router(router, num_experts)
+        state = get_parallel_state()
+        self.router = router
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.expert_parallel = state.expert_parallel
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        if self.expert_parallel:
+            self.ep_rank, self.ep_size = state.ep_rank, state.ep_size
+            self.expert_start, self.num_local_experts = shard_range(num_experts, self.ep_size, self.ep_rank)
+            self.i_start, self.local_intermediate = 0, intermediate_size
+        else:
+            self.expert_start, self.num_local_experts = 0, num_experts
+            self.i_start, self.local_intermediate = shard_range(intermediate_size, self.tp_size, self.tp_rank)
+        self.gate = Router(num_experts, hidden_size, router.correction_bias)
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_intermediate, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.local_intermediate),
+                               requires_grad=False)
+        for param in (self.w13, self.w2):
+            param.weight_loader = self.expert_weight_loader
+            param.check_loaded = self._missing_experts
+        self.shared_experts = shared_experts
+        # Qwen2-MoE style: sigmoid(x . g) scales the shared experts' output.
+        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1) if shared_expert_gate else None
+        self._all_to_all = None
+        self.load: ExpertLoad | None = None
+
+    # ---- loading ------------------------------------------------------------------------------------
+    EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+    FUSED_NAME = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+    PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+    @classmethod
+    def checkpoint_target(cls, name: str) -> tuple[str, tuple] | None:
+        """(parameter name, shard) for a checkpoint tensor of routed experts, or None for any other tensor:
+        `...experts.3.up_proj.weight` -> (`...experts.w13`, (3, 'up')); `...experts.gate_up_proj` ->
+        (`...experts.w13`, ('fused',))."""
+        match = cls.EXPERT_NAME.search(name)
+        if match:
+            part = cls.PART[match.group(2)]
+            prefix = name[:match.start()]
+            return f"{prefix}.{'w2' if part == 'down' else 'w13'}", (int(match.group(1)), part)
+        match = cls.FUSED_NAME.search(name)
+        if match:
+            prefix = name[:match.start()]
+            return f"{prefix}.{'w13' if match.group(1) == 'gate_up_proj' else 'w2'}", ("fused",)
+        return None
+
+    def expert_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple) -> None:
+        I, H = self.intermediate_size, self.hidden_size
+        local = slice(self.expert_start, self.expert_start + self.num_local_experts)
+        if shard[0] == "fused":
+            full = (self.num_experts, 2 * I, H) if param is self.w13 else (self.num_experts, H, I)
+            _check_shape(loaded, full, "fused experts")
+            if param is self.w13:
+                for half in range(2):
+                    rows = loaded[local, half * I + self.i_start: half * I + self.i_start + self.local_intermediate]
+                    param.data[:, half * self.local_intermediate:(half + 1) * self.local_intermediate].copy_(rows)
+            else:
+                param.data.copy_(loaded[local, :, self.i_start:self.i_start + self.local_intermediate])
+            return
+        expert, part = shard
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside [0, {self.num_experts})")
+        _check_shape(loaded, (H, I) if part == "down" else (I, H), f"expert {expert} {part}")
+        if not local.start <= expert < local.stop:
+            return  # held by another EP rank
+        e = expert - self.expert_start
+        if part == "down":
+            param.data[e].copy_(loaded[:, self.i_start:self.i_start + self.local_intermediate])
+        else:
+            offset = 0 if part == "gate" else self.local_intermediate
+            param.data[e, offset:offset + self.local_intermediate].copy_(
+                loaded[self.i_start:self.i_start + self.local_intermediate])
+
+    def _missing_experts(self, param: nn.Parameter, shards: set) -> str | None:
+        """What the checkpoint did not provide for `param`, or None."""
+        if ("fused",) in shards:
+            return None
+        parts = ("down",) if param is self.w2 else ("gate", "up")
+        missing = [f"{e}.{p}" for e in range(self.num_experts) for p in parts if (e, p) not in shards]
+        if not missing:
+            return None
+        return f"experts {missing[:6]}{' ...' if len(missing) > 6 else ''} ({len(missing)} tensors)"
+
+    def count_expert_load(self, enabled: bool = True) -> None:
+        self.load = ExpertLoad(self.num_experts) if enabled else None
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate.route(x, self.router)
+        if self.load is not None:
+            self.load.add(ids)
+        if self.expert_parallel:
+            out = self._forward_expert_parallel(x, weights, ids)
+        else:  # a partial sum over this rank's slice of every expert
+            out = ops.fused_experts(x, self.w13, self.w2, weights, ids)
+        if self.shared_experts is not None:
+            # Built with an unreduced row-parallel down projection: a partial sum too.
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            if self.expert_parallel and self.tp_size > 1:
+                shared = tensor_parallel_all_reduce(shared)
+            out = out + shared
+        if not self.expert_parallel and self.tp_size > 1:
+            out = tensor_parallel_all_reduce(out)  # one reduction for the routed and shared experts
+        return out
+
+    def _forward_expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        exchange = self._exchange()
+        num_tokens = x.shape[0]
+        if self.tp_size > 1:  # the TP ranks hold the same tokens: each sends its slice, then all gather
+            per_rank = -(-num_tokens // self.tp_size)
+            start = min(self.tp_rank * per_rank, num_tokens)
+            stop = min(start + per_rank, num_tokens)
+            x_part, weights, ids = x[start:stop], weights[start:stop], ids[start:stop]
+        else:
+            x_part = x
+        sent = exchange.dispatch(x_part, weights, ids)
+        expert_out = ops.fused_experts(sent.hidden, self.w13, self.w2, sent.weights[:, None],
+                                       sent.local_ids[:, None])
+        out = exchange.combine(expert_out, sent.handle)
+        if self.tp_size > 1:
+            padded = torch.zeros(per_rank, out.shape[1], dtype=out.dtype, device=out.device)
+            padded[:out.shape[0]] = out
+            out = tensor_parallel_all_gather(padded, dim=0)[:num_tokens]
+        return out
+
+    def _exchange(self):
+        if self._all_to_all is None:
+            state = get_parallel_state()
+            device = self.w13.device
+            owner = torch.empty(self.num_experts, dtype=torch.int64)
+            local_index = torch.empty(self.num_experts, dtype=torch.int64)
+            for rank in range(self.ep_size):
+                start, count = shard_range(self.num_experts, self.ep_size, rank)
+                owner[start:start + count] = rank
+                local_index[start:start + count] = torch.arange(count)
+            self._all_to_all = make_all_to_all(state.ep_group, owner.to(device), local_index.to(device),
+                                               host_collectives=state.host_collectives or device.type == "cpu")
+        return self._all_to_all
+
+
+def _check_shape(tensor: torch.Tensor, expected: tuple, what: str) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+
+
+def experts_per_rank(num_experts: int, ep_size: int) -> Counter:
+    """How many experts each EP rank holds (for logs and benchmark tables)."""
+    return Counter({rank: shard_range(num_experts, ep_size, rank)[1] for rank in range(ep_size)})
