@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 from atom_ray.client import RayEngineClient, unwrap_ray_error
 from atom_ray.cluster import ensure_ray
 from atom_ray.coordinator import Coordinator
+from atom_ray.dp_coordinator import DPCoordinator
 from atom_ray.placement import check_gpus_per_rank, create_placement_group, placement_options, rank_options
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class EngineHandle:
         return self.client.stats()
 
     def rank_process_ids(self) -> list[tuple[str, int]]:
-        """(node address, pid) of every tensor-parallel rank, rank 0 first."""
+        """(node address, pid) of every rank, TP rank 0 first (under data parallelism, DP rank by DP rank)."""
         import ray
         return ray.get(self.coordinator.rank_process_ids.remote())
 
@@ -94,11 +95,16 @@ def start(model: str, *, address: str | None = None, cpus_per_rank: int | None =
     gpus_per_rank = check_gpus_per_rank(gpus_per_rank)
     ensure_ray(address)
     options = placement_options(config.device, config.tensor_parallel_size, cpus_per_rank, accelerator_type,
-                                placement_timeout_s, gpus_per_rank)
-    group = create_placement_group(config.tensor_parallel_size, options)
-    # The coordinator is rank 0: it takes the first bundle (a GPU, or the rank's cores).
-    coordinator = ray.remote(Coordinator).options(**rank_options(group, 0, options), max_concurrency=10_000).remote(
-        config, group, options)
+                                placement_timeout_s, gpus_per_rank, config.data_parallel_size)
+    group = create_placement_group(config.tensor_parallel_size * config.data_parallel_size, options)
+    if config.data_parallel_size > 1:
+        # The router takes no bundle; each DP rank's Coordinator is its TP rank 0.
+        coordinator = ray.remote(DPCoordinator).options(num_cpus=0, max_concurrency=10_000).remote(
+            config, group, options)
+    else:
+        # The coordinator is rank 0: it takes the first bundle (a GPU, or the rank's cores).
+        coordinator = ray.remote(Coordinator).options(**rank_options(group, 0, options),
+                                                      max_concurrency=10_000).remote(config, group, options)
     try:
         info = ray.get(coordinator.initialize.remote())
     except Exception as exc:

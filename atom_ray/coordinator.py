@@ -68,15 +68,62 @@ class _Client:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class Coordinator:
-    def __init__(self, config: EngineConfig, group, options: PlacementOptions) -> None:
-        logging.basicConfig(level=logging.INFO)
-        self.config = config
-        self._executor_factory = partial(RayExecutor, group=group, options=options)
-        self._engine_loop: EngineLoop | None = None
-        self._event_loop: asyncio.AbstractEventLoop | None = None
+class ClientOutboxes:
+    """The client side of a coordinator: each client's outbox of output deltas, and the long poll that
+    empties it (one Ray call returns everything a client's requests produced since its last poll)."""
+
+    def __init__(self) -> None:
         self.clients: dict[str, _Client] = defaultdict(_Client)
         self.owner: dict[str, str] = {}  # request id -> client id
+
+    @property
+    def error(self) -> BaseException | None:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        raise NotImplementedError
+
+    async def poll(self, client_id: str, timeout_s: float = 1.0) -> tuple[list[OutputDelta], dict]:
+        """Every output for this client's requests since its last poll; waits up to timeout_s for one."""
+        client = self.clients[client_id]
+        if not client.outbox and self.error is None:
+            client.ready.clear()
+            try:
+                await asyncio.wait_for(client.ready.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        outbox, client.outbox = client.outbox, []
+        return outbox, self.stats()
+
+    def _wake_all_clients(self) -> None:
+        """Each client's poll returns at once, carrying the engine's error in its stats."""
+        for client in self.clients.values():
+            client.ready.set()
+
+    def _hand_to_owner(self, delta: OutputDelta) -> None:
+        client_id = self.owner.get(delta.request_id)
+        if client_id is None:
+            return
+        if delta.finished:
+            del self.owner[delta.request_id]
+        client = self.clients[client_id]
+        client.outbox.append(delta)
+        client.ready.set()
+
+
+class Coordinator(ClientOutboxes):
+    def __init__(self, config: EngineConfig, group, options: PlacementOptions, dp_rank: int = 0,
+                 init_method: str | None = None) -> None:
+        """One engine instance; under data parallelism, DP rank `dp_rank` of several, whose DPCoordinator
+        is its only client (`init_method`: the EP group's rendezvous, shared by every DP rank)."""
+        logging.basicConfig(level=logging.INFO)
+        self.config = config
+        self.dp_rank = dp_rank
+        self._executor_factory = partial(RayExecutor, group=group, options=options, dp_rank=dp_rank,
+                                         init_method=init_method)
+        self._engine_loop: EngineLoop | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        super().__init__()
         self.started: set[str] = set()  # requests that already sent their first output
 
     async def initialize(self) -> dict:
@@ -116,18 +163,6 @@ class Coordinator:
                 self._engine_loop.abort(request_id)
                 self.started.discard(request_id)
 
-    async def poll(self, client_id: str, timeout_s: float = 1.0) -> tuple[list[OutputDelta], dict]:
-        """Every output for this client's requests since its last poll; waits up to timeout_s for one."""
-        client = self.clients[client_id]
-        if not client.outbox and self.error is None:
-            client.ready.clear()
-            try:
-                await asyncio.wait_for(client.ready.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-        outbox, client.outbox = client.outbox, []
-        return outbox, self.stats()
-
     async def rank_process_ids(self) -> list[tuple[str, int]]:
         """(node address, pid) of every TP rank, rank 0 (this process) first."""
         import ray
@@ -138,6 +173,7 @@ class Coordinator:
     def stats(self) -> dict:
         stats = self._engine_loop.stats()
         stats["error"] = repr(self.error) if self.error is not None else None
+        stats["dp_rank"] = self.dp_rank
         return stats
 
     async def shutdown(self) -> None:
@@ -152,21 +188,12 @@ class Coordinator:
         self._event_loop.call_soon_threadsafe(self._wake_all_clients)
 
     # ---- on the event loop ----------------------------------------------------------------------------
-    def _wake_all_clients(self) -> None:
-        """Each client's poll returns at once, carrying the engine's error in its stats."""
-        for client in self.clients.values():
-            client.ready.set()
-
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            client_id = self.owner.get(output.request_id)
-            if client_id is None:
+            if output.request_id not in self.owner:
                 continue
             first = output.request_id not in self.started
             self.started.add(output.request_id)
             if output.finished:
-                del self.owner[output.request_id]
                 self.started.discard(output.request_id)
-            client = self.clients[client_id]
-            client.outbox.append(OutputDelta.from_output(output, first))
-            client.ready.set()
+            self._hand_to_owner(OutputDelta.from_output(output, first))

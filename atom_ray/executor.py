@@ -19,20 +19,25 @@ logger = logging.getLogger(__name__)
 class RayExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
                  eos_token_ids: frozenset[int], show_progress: bool = False, *, group,
-                 options: PlacementOptions) -> None:
+                 options: PlacementOptions, dp_rank: int = 0, init_method: str | None = None) -> None:
+        """DP rank `dp_rank` takes bundles dp_rank * tp .. dp_rank * tp + tp - 1 of the placement group; with
+        expert parallelism every DP rank is handed the same `init_method` (one group for all ranks)."""
         import ray
         world_size = config.tensor_parallel_size
+        first_bundle = dp_rank * world_size
         actor = ray.remote(RankWorker)
-        self.peers = [actor.options(**rank_options(group, rank, options)).remote() for rank in range(1, world_size)]
+        self.peers = [actor.options(**rank_options(group, first_bundle + rank, options)).remote()
+                      for rank in range(1, world_size)]
         self.worker: Worker | None = None
         self._follow_refs: list = []
         try:
-            init_method = rendezvous_address()
+            init_method = init_method or rendezvous_address()
             # The peers join the group while rank 0 does: their calls are in flight before it blocks.
-            joined = [peer.init_worker.remote(config, rank, world_size, init_method, max_model_len, eos_token_ids)
+            joined = [peer.init_worker.remote(config, rank, world_size, init_method, max_model_len, eos_token_ids,
+                                              dp_rank)
                       for rank, peer in enumerate(self.peers, start=1)]
             select_assigned_device()
-            self.worker = Worker(config, 0, world_size, init_method, max_model_len, eos_token_ids)
+            self.worker = Worker(config, 0, world_size, init_method, max_model_len, eos_token_ids, dp_rank)
             ray.get(joined)
         except Exception:
             self.shutdown()

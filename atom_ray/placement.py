@@ -33,20 +33,37 @@ class PlacementOptions:
         return bundle
 
 
+def describe_layout(tensor_parallel_size: int, data_parallel_size: int = 1) -> str:
+    if data_parallel_size == 1:
+        return f"tensor_parallel_size={tensor_parallel_size}"
+    return (f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} = "
+            f"{data_parallel_size * tensor_parallel_size} ranks")
+
+
 def placement_options(device: str, tensor_parallel_size: int, cpus_per_rank: int | None,
-                      accelerator_type: str | None, timeout_s: float, gpus_per_rank: float = 1.0) -> PlacementOptions:
+                      accelerator_type: str | None, timeout_s: float, gpus_per_rank: float = 1.0,
+                      data_parallel_size: int = 1) -> PlacementOptions:
     """GPU ranks when the engine asks for CUDA, or for 'auto' when the cluster has enough GPUs.
     `gpus_per_rank` below 1 packs several ranks on one GPU (0.5: two); such ranks reduce through host
-    memory (engine/parallel/state.py), so it is for checking TP numerics, not for speed."""
+    memory (engine/parallel/state.py), so it is for checking TP numerics, not for speed. A layout that the
+    cluster cannot hold at all is refused at once, naming the fields."""
     import ray
-    gpus = ray.cluster_resources().get("GPU", 0)
-    needed = tensor_parallel_size * gpus_per_rank
+    num_ranks = tensor_parallel_size * data_parallel_size
+    layout = describe_layout(tensor_parallel_size, data_parallel_size)
+    resources = ray.cluster_resources()
+    gpus = resources.get("GPU", 0)
+    needed = num_ranks * gpus_per_rank
     use_gpu = device == "cuda" or (device == "auto" and gpus >= needed)
     if device == "cuda" and gpus < needed:
-        raise RuntimeError(f"tensor_parallel_size={tensor_parallel_size} with gpus_per_rank={gpus_per_rank:g} needs "
-                           f"{needed:g} GPUs; the Ray cluster has {gpus:g}")
+        raise RuntimeError(f"{layout} with gpus_per_rank={gpus_per_rank:g} needs {needed:g} GPUs; the Ray cluster "
+                           f"has {gpus:g}")
     if cpus_per_rank is None:
-        cpus_per_rank = 1 if use_gpu else max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+        cpus_per_rank = 1 if use_gpu else max(1, (os.cpu_count() or 1) // num_ranks)
+    cpus = resources.get("CPU", 0)
+    if num_ranks * cpus_per_rank > cpus:
+        raise RuntimeError(f"{layout} with cpus_per_rank={cpus_per_rank} needs {num_ranks * cpus_per_rank} CPUs; "
+                           f"the Ray cluster has {cpus:g}. Lower data_parallel_size or tensor_parallel_size, or "
+                           "add nodes.")
     return PlacementOptions(use_gpu, cpus_per_rank, accelerator_type, timeout_s,
                             share_devices=use_gpu and tensor_parallel_size > 1, gpus_per_rank=gpus_per_rank)
 

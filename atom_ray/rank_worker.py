@@ -20,13 +20,13 @@ class RankWorker:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-worker")
 
     async def init_worker(self, config: EngineConfig, rank: int, world_size: int, init_method: str,
-                          max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+                          max_model_len: int, eos_token_ids: frozenset[int], dp_rank: int = 0) -> None:
         await self._off_loop(self._init_worker, config, rank, world_size, init_method, max_model_len,
-                             eos_token_ids)
+                             eos_token_ids, dp_rank)
 
-    def _init_worker(self, config, rank, world_size, init_method, max_model_len, eos_token_ids) -> None:
+    def _init_worker(self, config, rank, world_size, init_method, max_model_len, eos_token_ids, dp_rank) -> None:
         select_assigned_device()
-        self.worker = Worker(config, rank, world_size, init_method, max_model_len, eos_token_ids)
+        self.worker = Worker(config, rank, world_size, init_method, max_model_len, eos_token_ids, dp_rank)
 
     async def determine_num_kv_blocks(self) -> int:
         return await self._off_loop(self.worker.determine_num_kv_blocks)

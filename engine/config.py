@@ -34,6 +34,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # Data parallelism: this many engine instances (each with its own scheduler, KV cache and whole attention
+    # weights, of tensor_parallel_size ranks each) behind one coordinator that routes requests among them.
+    data_parallel_size: int = 1
+    # Expert parallelism for MoE models: experts split across all data_parallel_size x tensor_parallel_size
+    # ranks (whole experts per rank) instead of every rank holding a slice of every expert.
+    enable_expert_parallel: bool = False
     seed: int = 0
     load_format: str = "auto"
     num_kv_blocks: int | None = None
@@ -65,6 +71,7 @@ class EngineConfig:
         self._positive_int("max_num_seqs")
         self._positive_int("block_size")
         self._positive_int("tensor_parallel_size")
+        self._positive_int("data_parallel_size")
         self._optional_positive_int("max_model_len")
         self._optional_positive_int("max_num_batched_tokens")
         self._optional_positive_int("long_prefill_token_threshold")
@@ -79,7 +86,7 @@ class EngineConfig:
         self._check(isinstance(self.step_timeout_s, (int, float)) and not isinstance(self.step_timeout_s, bool)
                     and 0 <= self.step_timeout_s < float("inf"), "step_timeout_s",
                     "must be a number of seconds >= 0 (0 turns the watchdog off)")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_expert_parallel"):
             self._check(isinstance(getattr(self, name), bool), name, "must be true or false")
         self._check(isinstance(self.hf_overrides, dict), "hf_overrides", "must be a mapping")
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
@@ -91,6 +98,12 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None and not self.enable_chunked_prefill:
             raise ConfigError("long_prefill_token_threshold needs enable_chunked_prefill: without it a prompt "
                               "is prefilled whole")
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the DP ranks must step together: their MoE layers exchange tokens in every forward pass
+        (for a model with experts; LLMEngine checks that it has some)."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineLoop", "EngineDeadError"]
 
 FIRST_STEP_ALLOWANCE = 4  # the first step's limit, in step_timeout_s
+# Lockstep DP ranks (MoE layers exchanging tokens across DP ranks) vote before every step: the largest vote
+# wins. While all are idle they vote this often (a tiny CPU all-reduce), so a request that reaches one rank
+# starts every rank's steps within this time.
+VOTE_IDLE, VOTE_BUSY, VOTE_STOP = 0, 1, 2
+LOCKSTEP_IDLE_POLL_S = 0.02
 
 
 class EngineLoop:
@@ -119,7 +124,8 @@ class EngineLoop:
         self._built.set_result(engine)
         if self._step_timeout_s:
             threading.Thread(target=self._watch, name=f"{self._thread.name}-watchdog", daemon=True).start()
-        while not self._stopped and self.error is None:
+        lockstep = getattr(engine, "lockstep", False)
+        while (lockstep or not self._stopped) and self.error is None:
             self._work.clear()
             try:
                 self._run_commands()
@@ -127,7 +133,19 @@ class EngineLoop:
                 logger.exception("engine command failed")
                 self._die(exc)
                 break
-            if not engine.has_unfinished_requests():
+            if lockstep:  # every DP rank steps, or none does; a stop by any rank stops all
+                try:
+                    vote = self._vote(engine)
+                except BaseException as exc:
+                    logger.exception("the lockstep vote of the data-parallel ranks failed")
+                    self._die(exc)
+                    break
+                if vote == VOTE_STOP:
+                    break
+                if vote == VOTE_IDLE:
+                    self._work.wait(timeout=LOCKSTEP_IDLE_POLL_S)
+                    continue
+            elif not engine.has_unfinished_requests():
                 self._work.wait(timeout=0.5)
                 continue
             self._step_started = time.monotonic()
@@ -151,6 +169,11 @@ class EngineLoop:
             engine.shutdown()
         except Exception:
             logger.exception("engine shutdown failed")
+
+    def _vote(self, engine: LLMEngine) -> int:
+        from engine.parallel import dp_vote
+        mine = VOTE_STOP if self._stopped else VOTE_BUSY if engine.has_unfinished_requests() else VOTE_IDLE
+        return dp_vote(mine)
 
     def _watch(self) -> None:
         while not self._stopped and self.error is None:

@@ -45,9 +45,9 @@ class InProcessExecutor:
                  eos_token_ids: frozenset[int], show_progress: bool = True) -> None:
         from engine.runner.device import resolve_device
         from engine.runner.model_runner import ModelRunner
-        if config.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 needs Ray rank actors: use atom_ray.start(...) "
-                              "or `atom-ray serve` instead of engine.LLM")
+        if config.tensor_parallel_size != 1 or config.data_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 or data_parallel_size > 1 needs Ray rank actors: use "
+                              "atom_ray.start(...) or `atom-ray serve` instead of engine.LLM")
         self.runner = ModelRunner(config, source, resolve_device(config.device), max_model_len,
                                   eos_token_ids, show_progress)
 
@@ -80,6 +80,15 @@ def default_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> 
     return budget if config.enable_chunked_prefill else max(budget, max_model_len)
 
 
+def check_parallel_layout(config: EngineConfig, hf_config) -> None:
+    """Refuse, naming the fields, a parallel layout that the model cannot take."""
+    from engine.layers.fused_moe import num_routed_experts
+    if config.enable_expert_parallel and num_routed_experts(hf_config) == 0:
+        architectures = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
+        raise ConfigError(f"enable_expert_parallel=True, but {architectures[0]} has no experts (it is not a "
+                          "mixture-of-experts model); leave enable_expert_parallel off")
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None)
     if config.max_model_len is None:
@@ -96,6 +105,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor_factory=InProcessExecutor, show_progress: bool = True) -> None:
         self.config = config
         self.source = resolve_model(config.model, config.load_format, config.hf_overrides)
+        check_parallel_layout(config, self.source.hf_config)
+        # Lockstep DP ranks vote before each step (engine.parallel.dp_vote) and one with nothing to run runs
+        # a dummy step, so that every rank's MoE layers join the same token exchanges.
+        self.lockstep = config.lockstep
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else eos_ids_from_config(self.source))
         self.max_model_len = resolve_max_model_len(config, self.source.hf_config)
@@ -217,6 +230,9 @@ class LLMEngine:
             scheduled = self.schedule_step()
             if scheduled is None:
                 return []
+            if scheduled.dummy:  # nothing of ours to run: only the other DP ranks' exchanges
+                self.executor.execute(scheduled)
+                return []
             output = self.executor.execute(scheduled)
             return self.process_step(self.update_step(scheduled, output), output)
         # On a GPU: launch step N+1, then collect step N, so the host's work (scheduling, input
@@ -225,7 +241,8 @@ class LLMEngine:
         launched = None
         scheduled = self.schedule_step()
         if scheduled is not None:
-            launched = (scheduled, self.executor.execute_async(scheduled))
+            pending = self.executor.execute_async(scheduled)
+            launched = None if scheduled.dummy else (scheduled, pending)
         outputs = []
         if self._in_flight is not None:
             scheduled, pending = self._in_flight
@@ -237,6 +254,9 @@ class LLMEngine:
     def schedule_step(self) -> SchedulerOutput | None:
         """The next step plan, or None when there is nothing for the runners to do."""
         scheduled = self.scheduler.schedule()
+        if scheduled.is_empty and self.lockstep:
+            scheduled.dummy = True  # runs a forward pass all the same (SchedulerOutput.dummy)
+            return scheduled
         if scheduled.is_empty and not scheduled.finished_request_ids:
             return None
         return scheduled

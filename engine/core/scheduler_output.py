@@ -35,6 +35,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests the runners must forget before this step (finished, aborted or preempted).
     finished_request_ids: set[str] = field(default_factory=set)
+    # Lockstep data parallelism: a rank with nothing to run still runs a forward pass of one dummy token
+    # (no attention, no sampling), so that its MoE layers take part in the other ranks' token exchanges.
+    dummy: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -20,6 +20,8 @@ class Attention(nn.Module):
         """rope: (positions, cos_sin_cache, is_neox) to rotate queries and keys first (see
         RotaryEmbedding.rope_args); the backend may fuse the rotation into its KV-cache write."""
         context = get_forward_context()
+        if context.attn_metadata is None:  # a lockstep dummy step: nothing to attend to, nothing to cache
+            return query.new_zeros(query.shape[0], self.num_heads * self.head_size)
         out = self.backend.forward(
             query.view(-1, self.num_heads, self.head_size),
             key.view(-1, self.num_kv_heads, self.head_size),

@@ -259,6 +259,15 @@ def _check_shape(tensor: torch.Tensor, expected: tuple, what: str) -> None:
         raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
 
 
+def num_routed_experts(hf_config) -> int:
+    """The routed experts of a model config, whatever the family calls them (0: not a MoE model)."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 0
+
+
 def experts_per_rank(num_experts: int, ep_size: int) -> Counter:
     """How many experts each EP rank holds (for logs and benchmark tables)."""
     return Counter({rank: shard_range(num_experts, ep_size, rank)[1] for rank in range(ep_size)})

@@ -5,17 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.layers.fused_moe import FusedMoE, RouterConfig
+from engine.layers.fused_moe import FusedMoE, RouterConfig, num_routed_experts
 from engine.models.llama import LlamaMLP
 from engine.models.qwen3 import Qwen3ForCausalLM
-
-
-def num_routed_experts(config) -> int:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
-    return 0
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -5,12 +5,12 @@ from engine.parallel.state import (
     get_parallel_state,
     init_parallel,
     destroy_parallel,
-    dp_any,
+    dp_vote,
     tensor_parallel_all_gather,
     tensor_parallel_all_reduce,
 )
 
 __all__ = [
-    "ParallelState", "get_parallel_state", "init_parallel", "destroy_parallel", "dp_any",
+    "ParallelState", "get_parallel_state", "init_parallel", "destroy_parallel", "dp_vote",
     "tensor_parallel_all_gather", "tensor_parallel_all_reduce",
 ]

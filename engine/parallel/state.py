@@ -146,14 +146,15 @@ def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def dp_any(flag: bool) -> bool:
-    """Whether `flag` is true on any DP rank (called by every DP rank's TP rank 0 at the same point of
-    its step loop: the lockstep vote of data-parallel ranks whose MoE layers exchange tokens)."""
+def dp_vote(value: int) -> int:
+    """The largest `value` of all DP ranks: the lockstep vote that every DP rank's TP rank 0 casts at the
+    same point of its step loop when their MoE layers exchange tokens (see EngineLoop). Without lockstep
+    DP, this rank's own value."""
     if _state.dp_leaders_group is None:
-        return flag
-    vote = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return value
+    vote = torch.tensor([value], dtype=torch.int32)
     dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_state.dp_leaders_group)
-    return bool(vote.item())
+    return int(vote.item())
 
 
 def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

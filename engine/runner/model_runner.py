@@ -141,8 +141,13 @@ class ModelRunner:
             # not calloc'ed: on CPU, torch.zeros maps pages that become resident only when first written, so
             # the process would grow by up to the whole cache while serving (and could be killed for it then).
             layer.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device).zero_()
+        state = get_parallel_state()
+        if state.expert_parallel and self.uses_cuda and not self.config.enforce_eager:
+            logger.info("expert parallelism: decode steps run eagerly (the token exchange's split sizes are "
+                        "data-dependent, so it cannot be captured in a CUDA graph)")
         if (self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs
-                and not get_parallel_state().host_collectives):  # gloo's collectives cannot be captured
+                and not state.host_collectives  # gloo's collectives cannot be captured
+                and not state.expert_parallel):
             graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size, self.max_model_len,
                                   self.config.max_num_seqs, self.device)
             try:
@@ -164,6 +169,8 @@ class ModelRunner:
         self._update_states(scheduled)
         self._step += 1
         if scheduled.is_empty:
+            if scheduled.dummy:
+                self._dummy_forward()
             return self._track(PendingOutput(self, self._step, RunnerOutput(), [], None, None))
         needed = 0
         for request_id in scheduled.num_scheduled_tokens:
@@ -205,6 +212,13 @@ class ModelRunner:
         """Record the sampled ids of every launched step up to `step`, oldest first."""
         while self._unresolved and self._unresolved[0].step <= step:
             self._unresolved.popleft()._record()
+
+    def _dummy_forward(self) -> None:
+        """One token through every layer, attention skipped: the MoE layers' collectives of a lockstep step
+        on a DP rank that has nothing to run."""
+        token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        with forward_context(None, self.block_size):
+            self.model(token, token)
 
     def _forward(self, host: HostInputs) -> torch.Tensor:
         if self.graphs is not None and host.is_decode_only and len(host.requests) <= self.graphs.max_batch:

@@ -68,14 +68,18 @@ class StepTimer:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, world_size: int, init_method: str,
-                 max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+                 max_model_len: int, eos_token_ids: frozenset[int], dp_rank: int = 0) -> None:
+        """`rank` and `world_size` are this rank's place in its DP rank's TP group; with expert parallelism
+        `init_method` is shared by every DP rank (their MoE layers form one group)."""
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         init_parallel(rank, world_size, init_method, self.device,
                       reduce_in_fp32=config.tp_reduce_dtype == "float32"
-                      or (config.tp_reduce_dtype == "auto" and self.device.type == "cuda"))
+                      or (config.tp_reduce_dtype == "auto" and self.device.type == "cuda"),
+                      dp_rank=dp_rank, dp_size=config.data_parallel_size,
+                      expert_parallel=config.enable_expert_parallel)
         source = resolve_model(config.model, config.load_format, config.hf_overrides)
         self.runner = ModelRunner(config, source, self.device, max_model_len, eos_token_ids,
                                   show_progress=rank == 0)

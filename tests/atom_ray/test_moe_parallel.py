@@ -1,0 +1,114 @@
+"""Mixture of experts across Ray rank actors on CPU (gloo): expert parallelism inside a TP group, tensor
+parallelism of the experts, and data-parallel attention whose MoE layers form one EP group. Each gives the
+single-process engine's greedy tokens; the DP coordinator spreads requests, keeps repeated prefixes on the
+rank that caches them, and an abort on one DP rank leaves the other's request alone."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import atom_ray
+from engine import LLM, SamplingParams
+from engine.config import ConfigError
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 67)), [100] * 9 + [200]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["qwen3_moe"]), dtype="float32", show_progress=False)
+    return {tuple(prompt): output.token_ids for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
+
+
+@pytest.fixture(scope="module")
+def dp_engine(ray_cluster, tiny_model_dirs):
+    """DP=2, each rank one TP rank, experts split over both (EP=2)."""
+    engine = atom_ray.start(str(tiny_model_dirs["qwen3_moe"]), data_parallel_size=2, enable_expert_parallel=True,
+                            dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                    dict(tensor_parallel_size=2)], ids=["ep2", "tp2"])
+def test_moe_over_two_ranks_matches_single_process(ray_cluster, tiny_model_dirs, expected, layout):
+    engine = atom_ray.start(str(tiny_model_dirs["qwen3_moe"]), dtype="float32", **layout)
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [expected[tuple(p)] for p in PROMPTS]
+    finally:
+        engine.shutdown()
+
+
+def test_dp2_ep2_matches_single_process_with_one_rank_idle_at_first(dp_engine, expected):
+    # One request alone: one DP rank runs it while the other runs empty steps through the expert exchange.
+    alone = dp_engine.generate([PROMPTS[1]], GREEDY)[0]
+    assert alone.token_ids == expected[tuple(PROMPTS[1])]
+    outputs = dp_engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == [expected[tuple(p)] for p in PROMPTS]
+    ranks = dp_engine.stats()["dp_ranks"]
+    assert [r["dp_rank"] for r in ranks] == [0, 1]
+    assert all(r["routed_requests"] > 0 for r in ranks)  # both ranks served requests
+    assert all(r["num_running"] == 0 and r["kv_cache_usage"] == 0 for r in ranks)
+
+
+def test_repeated_prefixes_go_to_the_rank_that_caches_them(dp_engine):
+    shared = list(range(100, 180))  # five full 16-token blocks
+    before = dp_engine.stats()["dp_ranks"]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for suffix in range(4):  # one at a time: each time both ranks are idle, so only the prefix decides
+        dp_engine.generate([shared + [7, suffix]], params)
+    after = dp_engine.stats()["dp_ranks"]
+    routed = [a["routed_requests"] - b["routed_requests"] for a, b in zip(after, before)]
+    hits = [a["prefix_cache_hits"] - b["prefix_cache_hits"] for a, b in zip(after, before)]
+    assert sorted(routed) == [0, 4]  # all four on one rank
+    owner = routed.index(4)
+    assert hits[owner] >= 3 * 5 and hits[1 - owner] == 0  # the last three found the shared blocks cached
+
+
+def test_an_abort_on_one_dp_rank_leaves_the_other_alone(dp_engine, expected):
+    long_params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    before = [r["routed_requests"] for r in dp_engine.stats()["dp_ranks"]]
+
+    async def run():
+        aborted = dp_engine.stream(list(range(200, 260)), long_params)
+        first = await anext(aborted)  # running on one rank
+        assert not first.finished
+        # Shorter than a block (no prefix to follow): it goes to the less busy rank, the other one.
+        kept = asyncio.ensure_future(_final(dp_engine.stream(PROMPTS[0], GREEDY)))
+        await asyncio.sleep(0.2)
+        await aborted.aclose()  # the client gives up: the request is aborted on its rank
+        return await kept
+
+    output = asyncio.run(run())
+    assert output.token_ids == expected[tuple(PROMPTS[0])]
+    routed = [r["routed_requests"] - b for r, b in zip(dp_engine.stats()["dp_ranks"], before)]
+    assert routed == [1, 1]  # one request on each rank
+    for _ in range(50):  # the abort reaches its rank within a step or two
+        if all(r["num_running"] == 0 for r in dp_engine.stats()["dp_ranks"]):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert all(r["num_running"] == 0 and r["kv_cache_usage"] == 0 for r in dp_engine.stats()["dp_ranks"])
+
+
+async def _final(stream):
+    output = None
+    async for output in stream:
+        pass
+    return output
+
+
+def test_expert_parallel_on_a_dense_model_is_refused_naming_the_field(ray_cluster, tiny_model_dirs):
+    with pytest.raises(ConfigError, match="enable_expert_parallel=True, but LlamaForCausalLM has no experts"):
+        atom_ray.start(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ConfigError, match="enable_expert_parallel"):
+        LLM(str(tiny_model_dirs["llama"]), enable_expert_parallel=True, show_progress=False)
+
+
+def test_a_layout_larger_than_the_cluster_is_refused_naming_the_fields(ray_cluster, tiny_model_dirs):
+    with pytest.raises(RuntimeError, match=r"data_parallel_size=4 x tensor_parallel_size=4 = 16 ranks .* needs 16 CPUs"):
+        atom_ray.start(str(tiny_model_dirs["qwen3_moe"]), data_parallel_size=4, tensor_parallel_size=4,
+                       enable_expert_parallel=True)
+    with pytest.raises(ConfigError, match="data_parallel_size > 1 needs Ray"):
+        LLM(str(tiny_model_dirs["qwen3_moe"]), data_parallel_size=2, show_progress=False)
