@@ -34,16 +34,35 @@ MAX_NUM_SEQS = 256
 
 
 def model_facts(hf_config, dtype_bytes: int = 2) -> dict:
-    """Parameter count and the bytes a decode step must read (the embedding table is only gathered)."""
-    h, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
+    """Parameter counts and the bytes a decode step must read (the embedding table is only gathered), from
+    our own model built on the meta device (no memory). For a mixture of experts, a step reads the dense
+    weights and the experts its tokens chose: `weight_bytes_per_step` is batch 1's (top_k of E experts per
+    layer), `weight_bytes_at_batch(b)` the expectation under uniform routing, all experts as b grows."""
+    from engine.layers.fused_moe import FusedMoE
+    from engine.models import model_class_for
+    with torch.device("meta"):
+        model = model_class_for(hf_config)(hf_config)
+    params = sum(p.numel() for p in model.parameters())
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    expert_params = sum(m.w13.numel() + m.w2.numel() for m in moe)
+    active_fraction = moe[0].router.top_k / moe[0].num_experts if moe else 1.0
+    embedding = 0 if getattr(model, "tie_word_embeddings", False) else hf_config.vocab_size * hf_config.hidden_size
+    dense_read = params - embedding - expert_params
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    head_dim = getattr(hf_config, "head_dim", None) or h // heads
-    per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter + 2 * h
-    lm_head = hf_config.vocab_size * h
-    params = layers * per_layer + lm_head + h + (0 if hf_config.tie_word_embeddings else lm_head)
-    read_per_step = (layers * per_layer + lm_head + h) * dtype_bytes
-    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
-    return {"params": params, "weight_bytes_per_step": read_per_step, "kv_bytes_per_token": kv_per_token}
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    return {"params": params, "active_params": params - expert_params * (1 - active_fraction),
+            "expert_params": expert_params, "active_expert_fraction": active_fraction,
+            "dense_weight_bytes": dense_read * dtype_bytes, "expert_weight_bytes": expert_params * dtype_bytes,
+            "weight_bytes_per_step": (dense_read + expert_params * active_fraction) * dtype_bytes,
+            "kv_bytes_per_token": kv_per_token}
+
+
+def weight_bytes_at_batch(facts: dict, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads: the dense weights, and each expert that at least
+    one token chose (expected fraction 1 - (1 - k/E)^batch under uniform routing)."""
+    touched = 1 - (1 - facts["active_expert_fraction"]) ** batch
+    return facts["dense_weight_bytes"] + touched * facts["expert_weight_bytes"]
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -199,14 +218,14 @@ def workload_roofline(config, prompts, output_lens, limits) -> float:
     facts = model_facts(config)
     rate, bandwidth = limits["bf16_matmul_TFLOPs"] * 1e12, limits["bandwidth_GBps"] * 1e9
     layers, hidden = config.num_hidden_layers, config.hidden_size
-    matmul_flops_per_token = 2 * facts["params"]
+    matmul_flops_per_token = 2 * facts["active_params"]
     attention_flops = sum(2 * 2 * layers * hidden * len(p) * len(p) / 2 for p in prompts)  # causal QK^T and PV
     prefill_s = (matmul_flops_per_token * sum(map(len, prompts)) + attention_flops) / rate
     decode_tokens = sum(output_lens)
     waves = -(-len(prompts) // MAX_NUM_SEQS)
     steps = waves * max(output_lens)
     kv_read = sum(facts["kv_bytes_per_token"] * (len(p) * n + n * n / 2) for p, n in zip(prompts, output_lens))
-    decode_bytes = steps * facts["weight_bytes_per_step"] + kv_read
+    decode_bytes = steps * weight_bytes_at_batch(facts, MAX_NUM_SEQS) + kv_read
     decode_s = max(matmul_flops_per_token * decode_tokens / rate, decode_bytes / bandwidth)
     return decode_tokens / (prefill_s + decode_s)
 

@@ -33,6 +33,18 @@ _ENGINE_COUNTERS = (
     ("engine_restarts", "engine_restarts", "Times the engine was restarted after a failure."),
 )
 
+# Under data parallelism, each DP rank's own numbers, labelled dp_rank (the families above are their sums).
+_DP_RANK_GAUGES = (
+    ("dp_num_requests_running", "num_running", "Sequences in this DP rank's running batch."),
+    ("dp_num_requests_waiting", "num_waiting", "Sequences waiting in this DP rank's scheduler."),
+    ("dp_kv_cache_usage_perc", "kv_cache_usage", "Fraction of this DP rank's KV cache blocks in use."),
+)
+_DP_RANK_COUNTERS = (
+    ("dp_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in this DP rank's prefix cache."),
+    ("dp_prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in this DP rank's prefix cache."),
+    ("dp_routed_requests", "routed_requests", "Requests the coordinator sent to this DP rank."),
+)
+
 
 class _EngineStatsCollector:
     """Exposes the latest `client.stats()` snapshot; the engine's counters are cumulative, so they are
@@ -52,6 +64,14 @@ class _EngineStatsCollector:
             if key in self.stats:
                 family.add_metric([], float(self.stats[key]))
             yield family
+        ranks = self.stats.get("dp_ranks") or []
+        for kinds, family_type in ((_DP_RANK_GAUGES, GaugeMetricFamily), (_DP_RANK_COUNTERS, CounterMetricFamily)):
+            for name, key, help_text in kinds:
+                family = family_type(PREFIX + name, help_text, labels=["dp_rank"])
+                for rank in ranks:
+                    if key in rank:
+                        family.add_metric([str(rank["dp_rank"])], float(rank[key]))
+                yield family
 
 
 class AppMetrics:

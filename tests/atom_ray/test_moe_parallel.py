@@ -112,3 +112,21 @@ def test_a_layout_larger_than_the_cluster_is_refused_naming_the_fields(ray_clust
                        enable_expert_parallel=True)
     with pytest.raises(ConfigError, match="data_parallel_size > 1 needs Ray"):
         LLM(str(tiny_model_dirs["qwen3_moe"]), data_parallel_size=2, show_progress=False)
+
+
+def test_prometheus_metrics_report_each_dp_rank(dp_engine):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deployments.openai.metrics import AppMetrics
+    stats = dp_engine.stats()
+    text, _ = AppMetrics().render(stats)
+    samples = {(s.name, s.labels.get("dp_rank")): s.value
+               for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+    for rank in stats["dp_ranks"]:
+        dp = str(rank["dp_rank"])
+        assert samples[("atom_ray:dp_num_requests_running", dp)] == rank["num_running"]
+        assert samples[("atom_ray:dp_num_requests_waiting", dp)] == rank["num_waiting"]
+        assert samples[("atom_ray:dp_kv_cache_usage_perc", dp)] == rank["kv_cache_usage"]
+        assert samples[("atom_ray:dp_prefix_cache_hits_total", dp)] == rank["prefix_cache_hits"]
+        assert samples[("atom_ray:dp_routed_requests_total", dp)] == rank["routed_requests"] > 0
+    assert samples[("atom_ray:prompt_tokens_total", None)] == sum(r["prompt_tokens"] for r in stats["dp_ranks"])
