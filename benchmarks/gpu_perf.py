@@ -271,6 +271,39 @@ class StepTrace:
         return rows
 
 
+def expert_load(llm, prompts, params, ep_sizes=(2, 8)) -> dict | None:
+    """Tokens routed to each expert over a run (counting costs a sync per layer, so a separate run): per
+    layer the busiest expert against the mean, and for EP layouts the busiest rank against the mean (what
+    an EP step waits for). None for a model without experts."""
+    from engine.layers.fused_moe import FusedMoE, experts_per_rank
+    layers = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        return None
+    for layer in layers:
+        layer.count_expert_load()
+    llm.engine.scheduler.block_manager.reset_prefix_cache()
+    llm.generate(prompts, params)
+    rows, result = [], {"layers": []}
+    for index, layer in enumerate(layers):
+        counts = layer.load.counts.double()
+        mean = counts.mean().item()
+        entry = {"layer": index, "tokens": int(counts.sum()), "expert_max_over_mean": counts.max().item() / mean,
+                 "expert_min_over_mean": counts.min().item() / mean}
+        for ep in ep_sizes:
+            sizes = experts_per_rank(layer.num_experts, ep)
+            per_rank = torch.stack([part.sum() for part in counts.split([sizes[r] for r in range(ep)])])
+            entry[f"ep{ep}_rank_max_over_mean"] = (per_rank.max() / per_rank.mean()).item()
+        result["layers"].append(entry)
+        layer.count_expert_load(False)
+        if index in (0, len(layers) // 2, len(layers) - 1):
+            rows.append((str(index), str(entry["tokens"]), f"{entry['expert_max_over_mean']:.2f}",
+                         f"{entry['expert_min_over_mean']:.2f}",
+                         *(f"{entry[f'ep{ep}_rank_max_over_mean']:.2f}" for ep in ep_sizes)))
+    print_table(["MoE layer", "routed tokens", "busiest expert / mean", "idlest / mean",
+                 *(f"EP={ep}: busiest rank / mean" for ep in ep_sizes)], rows)
+    return result
+
+
 def throughput(args) -> dict:
     from engine import LLM, SamplingParams
     from transformers import AutoConfig
@@ -303,6 +336,7 @@ def throughput(args) -> dict:
 
     ours = measure("atom-ray")
     stats = llm.engine.stats()
+    load = expert_load(llm, prompts[:64], params[:64])
     variants = {}
     for variant in args.variant:  # earlier kernel sequences on the same engine, graphs re-captured
         KERNEL_VARIANTS[variant]()
@@ -313,7 +347,8 @@ def throughput(args) -> dict:
     subset = {k: v for k, v in ours.items() if k.startswith("subset_")}
     return {"limits": limits, "engine_tok_s": ours["tok_s"], "variants": variants, "seconds": ours["seconds"],
             "roofline_tok_s": roofline, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
-            "num_preemptions": stats["num_preemptions"], "num_kv_blocks": stats["num_kv_blocks"], **subset}
+            "num_preemptions": stats["num_preemptions"], "num_kv_blocks": stats["num_kv_blocks"],
+            "expert_load": load, **subset}
 
 
 def hf_throughput(args) -> dict:
