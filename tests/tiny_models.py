@@ -24,7 +24,25 @@ ARCHITECTURES = {
     # Mixture of experts: 8 experts of width 64, 2 (or more) per token, so routing decides the output.
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=48, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    # Mixtral and MiniMax-M2 name their experts' width intermediate_size.
+    "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    # Sigmoid routing with a (random, see make_tiny_model) correction bias, 2 of 4 groups, scaled weights,
+    # a shared expert, a dense first layer, RoPE over half of each head, a QKV bias.
+    "glm4_moe": dict(model_type="glm4_moe", head_dim=32, attention_bias=True, partial_rotary_factor=0.5,
+                     n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, n_group=4, topk_group=2,
+                     n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                     use_qk_norm=False),
+    # Per-head QK norm, two shared experts, weights not renormalised.
+    "glm4_moe_qk_norm": dict(model_type="glm4_moe", attention_bias=False, partial_rotary_factor=0.5,
+                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_group=4,
+                             topk_group=2, n_shared_experts=2, first_k_dense_replace=1, norm_topk_prob=False,
+                             routed_scaling_factor=1.5, use_qk_norm=True),
+    # QK norm over all heads at once, RoPE over rotary_dim = half of each head, sigmoid + bias routing.
+    # partial_rotary_factor says the same as rotary_dim: transformers 5.17 ignored rotary_dim (whole-head RoPE).
+    "minimax_m2": dict(model_type="minimax_m2", head_dim=32, rotary_dim=16, partial_rotary_factor=0.5,
+                       num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
 }
+MOE_ARCHITECTURES = ["qwen3_moe", "mixtral", "glm4_moe", "glm4_moe_qk_norm", "minimax_m2"]
 
 
 def build_tokenizer(folder: Path):
@@ -59,8 +77,18 @@ def make_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_correction_biases(model)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+def randomize_correction_biases(model) -> None:
+    """transformers starts the MoE routers' selection biases (`e_score_correction_bias`) at zero; random
+    ones make the tests see whether a bias steers the choice of experts (and only the choice)."""
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn(tensor.shape) * 0.1)
 
 
 def hf_greedy(folder: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -5,7 +5,10 @@ import importlib
 
 # architecture -> (module, class)
 _MODELS = {
+    "Glm4MoeForCausalLM": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),
+    "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),

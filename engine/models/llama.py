@@ -5,6 +5,8 @@ before RoPE (Qwen3), and tied or untied input/output embeddings.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -27,6 +29,18 @@ def rotary_dim_of(config, head_dim: int) -> int:
     if factor is not None:
         return int(head_dim * factor)
     return int(getattr(config, "rotary_dim", None) or head_dim)
+
+
+_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp_layer_tensor(name: str, config, num_mtp_layers: int) -> bool:
+    """Whether a checkpoint tensor belongs to one of the `num_mtp_layers` multi-token-prediction layers that
+    some checkpoints (GLM-4.5, MiniMax-M2, DeepSeek-V3) store after the last decoder layer; they are for
+    speculative decoding and are not built here."""
+    match = _LAYER_PREFIX.match(name)
+    layers = config.num_hidden_layers
+    return match is not None and layers <= int(match.group(1)) < layers + num_mtp_layers
 
 
 class LlamaAttention(nn.Module):
