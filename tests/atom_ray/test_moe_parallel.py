@@ -41,6 +41,19 @@ def test_moe_over_two_ranks_matches_single_process(ray_cluster, tiny_model_dirs,
         engine.shutdown()
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "glm4_moe", "minimax_m2"])
+def test_other_moe_families_at_tp2_with_expert_parallelism_match_single_process(ray_cluster, tiny_model_dirs, arch):
+    """GLM-4.5's shared experts (reduced apart from the routed ones under EP) and MiniMax-M2's QK norm over
+    all heads (its sum of squares all-reduced across the TP group)."""
+    folder = str(tiny_model_dirs[arch])
+    reference = [o.token_ids for o in LLM(folder, dtype="float32", show_progress=False).generate(PROMPTS, GREEDY)]
+    engine = atom_ray.start(folder, tensor_parallel_size=2, enable_expert_parallel=True, dtype="float32")
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    finally:
+        engine.shutdown()
+
+
 def test_dp2_ep2_matches_single_process_with_one_rank_idle_at_first(dp_engine, expected):
     # One request alone: one DP rank runs it while the other runs empty steps through the expert exchange.
     alone = dp_engine.generate([PROMPTS[1]], GREEDY)[0]

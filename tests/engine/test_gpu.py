@@ -61,7 +61,11 @@ def test_triton_backend_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(arch
         their_agree += (theirs.argmax(-1) == exact_top1).sum().item()
         positions += len(sequence) - 1
     assert our_error <= 2 * their_error + 0.02, (our_error, their_error)
-    assert our_agree / positions >= their_agree / positions - 0.04, (our_agree / positions, their_agree / positions)
+    # MoE models: a bf16 rounding that flips a near-tied expert choice changes a whole expert's output, so
+    # their top-1 agreement swings with the seed, ours above transformers' as often as below (0.927 vs
+    # 0.891 and 0.913 vs 0.956 for the tiny MiniMax-M2 on an H100): a wider margin there.
+    margin = 0.08 if arch in tiny_models.MOE_ARCHITECTURES else 0.04
+    assert our_agree / positions >= their_agree / positions - margin, (our_agree / positions, their_agree / positions)
 
 
 @pytest.mark.parametrize("table_copy", ["whole rows", "used columns"])
