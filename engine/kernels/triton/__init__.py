@@ -1,5 +1,5 @@
-"""The portable Triton backend: norms, rotary embedding, SiLU-and-mul, sampling and paged attention as
-Triton kernels for any CUDA or ROCm GPU.
+"""The portable Triton backend: norms, rotary embedding, SiLU-and-mul, sampling, paged attention and the
+mixture-of-experts router and expert GEMMs as Triton kernels for any CUDA or ROCm GPU.
 
 `gemm` runs a Triton skinny GEMM for decode-sized batches (up to 16 rows, bf16/fp16), where it measured
 faster than cuBLAS, and the vendor BLAS (cuBLAS / hipBLASLt through torch) for everything larger; at those
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.triton import gemv, ops
+from engine.kernels.triton import gemv, moe, ops
 from engine.kernels.triton.attention import TritonAttentionBackend
 from engine.kernels.triton.sampling import sample
 
@@ -24,6 +24,9 @@ BACKEND = KernelBackend(
         "silu_and_mul": ops.silu_and_mul,
         "gated_gemm": gemv.gated_gemm,
         "sample": sample,
+        "moe_topk_softmax": moe.moe_topk_softmax,
+        "moe_grouped_topk": moe.moe_grouped_topk,  # the torch reference (see moe.py)
+        "fused_experts": moe.fused_experts,
     },
     attention=TritonAttentionBackend,
 )
