@@ -159,6 +159,29 @@ def plan_length_splits() -> None:
     decode_attention.decode_plan = decode_plan
 
 
+def small_n_split2() -> None:
+    """The skinny GEMM splitting K in two for weights with at most one program per two multiprocessors (the
+    Qwen3-30B-A3B output projection, 2048 x 4096: 64 programs on 132), a probe that did not pay on an H200."""
+    def rule(n, k, size, sms, current):
+        return (512, 4, 2) if size == 2 and -(-n // 32) * 2 <= sms and k >= 2048 else current(n, k, size, sms)
+    _patch_preferred_tiles(rule)
+
+
+def router_fp32_weight() -> None:
+    """MoE router logits as before the router weight was held in the model's dtype: the activations
+    converted to float32, then a float32 GEMM against a float32 copy of the weight (three kernels)."""
+    import torch
+
+    from engine.layers import fused_moe
+
+    def route(self, x, config):
+        if getattr(self, "_weight32", None) is None:
+            self._weight32 = self.weight.float()
+        logits = torch.nn.functional.linear(x.float(), self._weight32)
+        return fused_moe.ROUTERS[config.kind](logits, config, self.e_score_correction_bias)
+    fused_moe.Router.route = route
+
+
 def snapshot() -> dict:
     """Everything a variant patches, to put back with `restore` (`gpu_perf --alternate`)."""
     import inspect
@@ -173,9 +196,14 @@ def snapshot() -> dict:
                                         (gemv, "PREFETCH_BYTES_PER_ROW"), (gemv, "PREFETCH_BUDGET_BYTES"),
                                         (gemv, "PREFETCH_BYTES_PER_ROW_FOR"), (gemv, "PREFETCH_BYTES_PER_ROW_BY_DEVICE"),
                                         (gemv, "preferred_tiles"),
-                                        (gemv, "NUM_WARPS"),
+                                        (gemv, "NUM_WARPS"), (_router_class(), "route"),
                                         (TritonAttentionBackend, "forward"),
                                         (TritonAttentionBackend, "build_metadata"))]}
+
+
+def _router_class():
+    from engine.layers.fused_moe import Router
+    return Router
 
 
 def restore(state: dict) -> None:
@@ -209,4 +237,5 @@ KERNEL_VARIANTS = {"plan-length-splits": plan_length_splits,
                    "separate-silu-and-mul": separate_silu_and_mul,
                    "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
                    "separate-decode-kernels": separate_decode_kernels, "unfused-rope": unfused_rope,
-                   "long-decode-splits": long_decode_splits}
+                   "long-decode-splits": long_decode_splits, "small-n-split2": small_n_split2,
+                   "router-fp32-weight": router_fp32_weight}

@@ -74,12 +74,15 @@ def _check_router(config: RouterConfig, num_experts: int) -> None:
 
 
 class Router(nn.Module):
-    """The gate: router logits in float32 (the choice between near-tied experts decides whole outputs, so
-    the weight is kept in float32 whatever the model's dtype), and the selection bias where there is one."""
+    """The gate: router logits accumulated and returned in float32, unrounded (the choice between near-tied
+    experts decides whole outputs), and the selection bias where there is one. The weight is held in the
+    model's dtype (one skinny GEMM with a float32 output on GPUs), or in float32 where the model's own
+    router weight is float32 (GLM-4.5, DeepSeek-V3: `weight_dtype=torch.float32`)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool,
+                 weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=weight_dtype), requires_grad=False)
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                         requires_grad=False)
@@ -87,7 +90,10 @@ class Router(nn.Module):
             self.register_parameter("e_score_correction_bias", None)
 
     def route(self, x: torch.Tensor, config: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.nn.functional.linear(x.float(), self.weight)
+        if self.weight.dtype == torch.float32 or x.dtype == torch.float32:
+            logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        else:
+            logits = ops.gemm_float32(x, self.weight)
         return ROUTERS[config.kind](logits, config, self.e_score_correction_bias)
 
 
@@ -106,7 +112,8 @@ class ExpertLoad:
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, router: RouterConfig,
-                 shared_experts: nn.Module | None = None, shared_expert_gate: bool = False) -> None:
+                 shared_experts: nn.Module | None = None, shared_expert_gate: bool = False,
+                 router_dtype: torch.dtype | None = None) -> None:
         """`shared_experts`: an MLP run on every token beside the routed experts, built with an unreduced
         row-parallel down projection (its partial sum is reduced together with the routed experts')."""
         super().__init__()
@@ -123,7 +130,7 @@ class FusedMoE(nn.Module):
         else:
             self.expert_start, self.num_local_experts = 0, num_experts
             self.i_start, self.local_intermediate = shard_range(intermediate_size, self.tp_size, self.tp_rank)
-        self.gate = Router(num_experts, hidden_size, router.correction_bias)
+        self.gate = Router(num_experts, hidden_size, router.correction_bias, router_dtype)
         self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_intermediate, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.local_intermediate),

@@ -5,6 +5,7 @@ DeepSeek-V3's way (sigmoid scores, a correction bias that steers the choice, gro
 weights) beside always-on shared experts."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from engine.layers.fused_moe import FusedMoE, RouterConfig, num_routed_experts
@@ -28,8 +29,9 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         # as in checkpoints); its partial sum is reduced with the routed experts'.
         shared = (LlamaMLP(config, intermediate_size=config.moe_intermediate_size * num_shared, reduce_results=False)
                   if num_shared else None)
+        # transformers keeps GLM's router weight in float32 whatever the model's dtype: so do we.
         return FusedMoE(num_routed_experts(config), config.hidden_size, config.moe_intermediate_size, router,
-                        shared_experts=shared)
+                        shared_experts=shared, router_dtype=torch.float32)
 
     def remap_checkpoint_name(self, name: str) -> str | None:
         if is_mtp_layer_tensor(name, self.config, getattr(self.config, "num_nextn_predict_layers", 0) or 0):

@@ -163,7 +163,10 @@ def preferred_tiles(n: int, k: int, element_size: int, num_sms: int) -> tuple[in
     lost wherever it was tried in the engine: for the QKV projection alone (192 programs on 132
     multiprocessors) it won in isolation (19.7 against 21.1 us) but cost decode 1.7 %; for every projection
     with fewer programs than two per multiprocessor the layer's chain lost 2.7 %. So no split here; the
-    kernel keeps it for other GPUs and shapes (`benchmarks/kernel_variants.py`: qkv-split2). fp32 is not a
+    kernel keeps it for other GPUs and shapes (`benchmarks/kernel_variants.py`: qkv-split2). Splitting the
+    weights with at most one program per two multiprocessors (Qwen3-30B-A3B's output projection, 64 programs)
+    did not pay either: batch-1 decode 272.8 tok/s unsplit against 269.8 split, H200, 2026-11-24
+    (`small-n-split2`). fp32 is not a
     speed path: short tiles that fit anywhere."""
     if element_size > 2:
         return 128, 3, 1
