@@ -137,7 +137,33 @@ def ensure_ray(address: str | None = None, join_running: bool = True, num_cpus: 
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
              logging_level="WARNING", _node_ip_address="127.0.0.1")
     _make_token_private()
+    _announce_address(ray.get_runtime_context().gcs_address)
     return True
+
+
+def _announce_address(gcs_address: str) -> None:
+    """Record this cluster as the machine's current one, as `ray start` does (the file Ray's
+    `address="auto"` reads first), and take the record back at exit if it is still ours. Without it, a job
+    that joins with `address="auto"` while another Ray runs on the machine connects to whichever Ray it
+    finds first."""
+    from ray._private.utils import get_ray_address_file
+    path = get_ray_address_file(None)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(gcs_address)
+    except OSError as exc:
+        logger.warning("could not record the cluster's address in %s: %s", path, exc)
+        return
+
+    def withdraw() -> None:
+        try:
+            with open(path) as handle:
+                if handle.read().strip() == gcs_address:
+                    os.remove(path)
+        except OSError:
+            pass
+    atexit.register(withdraw)
 
 
 def _make_token_private() -> None:

@@ -100,9 +100,13 @@ class DPCoordinator(ClientOutboxes):
     async def add_request(self, client_id: str, request_id: str, prompt, params: SamplingParams) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine failed: {self._error!r}")
-        token_ids = self._token_ids(prompt)
+        self.owner[request_id] = client_id  # first: an abort may come while the prompt is tokenized
+        # Text is tokenized off the event loop (a long prompt would hold every other call up).
+        token_ids = await asyncio.to_thread(self._token_ids, prompt) if isinstance(prompt, (str, dict)) \
+            else self._token_ids(prompt)
+        if self.owner.get(request_id) != client_id:  # aborted meanwhile: never sent to a rank
+            return
         dp = self._route(token_ids)
-        self.owner[request_id] = client_id
         self.rank_of[request_id] = dp
         self.prompt_tokens[request_id] = len(token_ids) if token_ids is not None else 0
         self.outstanding[dp] += 1
