@@ -182,6 +182,13 @@ def router_fp32_weight() -> None:
     fused_moe.Router.route = route
 
 
+def topk_softmax_16_rows() -> None:
+    """The softmax top-k router kernel as first written: 16 rows per program over 4 warps at every batch size
+    (before decode batches got a one-warp program per row)."""
+    from engine.kernels.triton import moe
+    moe.TOPK_ONE_ROW_MAX_TOKENS = 0
+
+
 def snapshot() -> dict:
     """Everything a variant patches, to put back with `restore` (`gpu_perf --alternate`)."""
     import inspect
@@ -197,8 +204,14 @@ def snapshot() -> dict:
                                         (gemv, "PREFETCH_BYTES_PER_ROW_FOR"), (gemv, "PREFETCH_BYTES_PER_ROW_BY_DEVICE"),
                                         (gemv, "preferred_tiles"),
                                         (gemv, "NUM_WARPS"), (_router_class(), "route"),
+                                        (_triton_moe(), "TOPK_ONE_ROW_MAX_TOKENS"),
                                         (TritonAttentionBackend, "forward"),
                                         (TritonAttentionBackend, "build_metadata"))]}
+
+
+def _triton_moe():
+    from engine.kernels.triton import moe
+    return moe
 
 
 def _router_class():
@@ -238,4 +251,4 @@ KERNEL_VARIANTS = {"plan-length-splits": plan_length_splits,
                    "no-l2-prefetch": no_l2_prefetch, "pdl-off": pdl_off, "blas-gemm": blas_gemm,
                    "separate-decode-kernels": separate_decode_kernels, "unfused-rope": unfused_rope,
                    "long-decode-splits": long_decode_splits, "small-n-split2": small_n_split2,
-                   "router-fp32-weight": router_fp32_weight}
+                   "router-fp32-weight": router_fp32_weight, "topk-softmax-16-rows": topk_softmax_16_rows}

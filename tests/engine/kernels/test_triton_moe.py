@@ -158,8 +158,9 @@ def test_align_pairs_places_every_pair_once_in_a_run_of_its_expert():
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_topk_softmax_matches_reference(renormalize):
-    logits = torch.randn(19, 60, device=DEVICE)  # 60 experts: a masked tail in the expert tile
+@pytest.mark.parametrize("num_tokens", [1, 19, 100])  # one row per program up to 64 tokens, 16 rows above
+def test_topk_softmax_matches_reference(renormalize, num_tokens):
+    logits = torch.randn(num_tokens, 60, device=DEVICE)  # 60 experts: a masked tail in the expert tile
     weights, ids = moe.moe_topk_softmax(logits, 4, renormalize)
     expected_weights, expected_ids = reference.moe_topk_softmax(logits, 4, renormalize)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
