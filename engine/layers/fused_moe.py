@@ -152,8 +152,8 @@ class FusedMoE(nn.Module):
     @classmethod
     def checkpoint_target(cls, name: str) -> tuple[str, tuple] | None:
         """(parameter name, shard) for a checkpoint tensor of routed experts, or None for any other tensor:
-        `...experts.3.up_proj.weight` -> (`...experts.w13`, (3, 'up')); `...experts.gate_up_proj` ->
-        (`...experts.w13`, ('fused',))."""
+        `<layer>.mlp.experts.3.up_proj.weight` -> (`<layer>.mlp.w13`, (3, 'up'));
+        `<layer>.mlp.experts.gate_up_proj` -> (`<layer>.mlp.w13`, ('fused',)) (the FusedMoE sits at `mlp`)."""
         match = cls.EXPERT_NAME.search(name)
         if match:
             part = cls.PART[match.group(2)]
