@@ -6,15 +6,12 @@ On a CUDA GPU the kernels run compiled at real sizes; elsewhere under TRITON_INT
 from __future__ import annotations
 
 import dataclasses
-import os
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
-pytest.importorskip("triton")
+from triton_device import DEVICE, ON_GPU  # noqa: E402  (skips the module without Triton)
 
 from engine.kernels.attention import CommonAttentionMetadata  # noqa: E402
 from engine.kernels.registry import OPS  # noqa: E402
@@ -28,15 +25,6 @@ from engine.kernels.triton import attention as triton_attention  # noqa: E402
 from engine.kernels.triton import decode_attention, gemv, ops, workspace  # noqa: E402
 from engine.kernels.triton.attention import TritonAttentionBackend  # noqa: E402
 from engine.kernels.triton.sampling import sample  # noqa: E402
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if INTERPRETED:
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    pytest.skip("no GPU and TRITON_INTERPRET is off", allow_module_level=True)
-ON_GPU = DEVICE == "cuda"
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),

@@ -5,27 +5,15 @@ powers of two; the pair layout they run on; the fused softmax top-k router.
 On a CUDA GPU the kernels run compiled; elsewhere under TRITON_INTERPRET=1, at tiny sizes."""
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
-pytest.importorskip("triton")
+from triton_device import DEVICE, ON_GPU  # noqa: E402  (skips the module without Triton)
 
 from engine.kernels.torch import moe as reference  # noqa: E402
 from engine.kernels.triton import moe  # noqa: E402
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if INTERPRETED:
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    pytest.skip("no GPU and TRITON_INTERPRET is off", allow_module_level=True)
-ON_GPU = DEVICE == "cuda"
 
 HIDDEN, INTER, EXPERTS = 96, 40, 8  # not powers of two: every tile has masked rows or columns
 
