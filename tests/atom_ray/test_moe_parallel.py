@@ -143,3 +143,22 @@ def test_prometheus_metrics_report_each_dp_rank(dp_engine):
         assert samples[("atom_ray:dp_prefix_cache_hits_total", dp)] == rank["prefix_cache_hits"]
         assert samples[("atom_ray:dp_routed_requests_total", dp)] == rank["routed_requests"] > 0
     assert samples[("atom_ray:prompt_tokens_total", None)] == sum(r["prompt_tokens"] for r in stats["dp_ranks"])
+
+
+def test_the_openai_app_serves_a_dp_engine_and_reports_each_rank(dp_engine):
+    """The HTTP surface on a data-parallel engine: completions (also streamed) through the DP coordinator,
+    and /metrics with each DP rank's gauges."""
+    from starlette.testclient import TestClient
+
+    from deployments.openai import build_openai_app
+    with TestClient(build_openai_app(dp_engine.client, "moe")) as http:
+        body = {"model": "moe", "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 24
+        streamed = http.post("/v1/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        metrics = http.get("/metrics").text
+    for dp in (0, 1):
+        assert f'atom_ray:dp_num_requests_running{{dp_rank="{dp}"}}' in metrics
+        assert f'atom_ray:dp_routed_requests_total{{dp_rank="{dp}"}}' in metrics
