@@ -162,3 +162,13 @@ def test_the_openai_app_serves_a_dp_engine_and_reports_each_rank(dp_engine):
     for dp in (0, 1):
         assert f'atom_ray:dp_num_requests_running{{dp_rank="{dp}"}}' in metrics
         assert f'atom_ray:dp_routed_requests_total{{dp_rank="{dp}"}}' in metrics
+
+
+def test_a_bad_request_to_a_dp_engine_is_refused_alone(dp_engine, expected):
+    from engine.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        dp_engine.generate([[10**6]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="context length"):
+        dp_engine.generate([[5] * 600], GREEDY)
+    assert dp_engine.generate([PROMPTS[2]], GREEDY)[0].token_ids == expected[tuple(PROMPTS[2])]
+    assert all(r["num_running"] == 0 and r["outstanding_requests"] == 0 for r in dp_engine.stats()["dp_ranks"])
