@@ -99,8 +99,9 @@ class Router(nn.Module):
 
 class ExpertLoad:
     """Tokens routed to each expert of a layer since start (or the last reset): the load per expert that
-    benchmarks print and that shows routing imbalance under expert parallelism. Counting is off by default
-    (it costs a device sync per layer); `FusedMoE.count_expert_load(True)` turns it on."""
+    benchmarks print and that shows routing imbalance under expert parallelism (where each TP rank counts the
+    slice of tokens it routes). Counting is off by default (it costs a device sync per layer);
+    `FusedMoE.count_expert_load(True)` turns it on."""
 
     def __init__(self, num_experts: int) -> None:
         self.counts = torch.zeros(num_experts, dtype=torch.int64)
@@ -207,13 +208,10 @@ class FusedMoE(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate.route(x, self.router)
-        if self.load is not None:
-            self.load.add(ids)
         if self.expert_parallel:
-            out = self._forward_expert_parallel(x, weights, ids)
+            out = self._forward_expert_parallel(x)
         else:  # a partial sum over this rank's slice of every expert
-            out = ops.fused_experts(x, self.w13, self.w2, weights, ids)
+            out = ops.fused_experts(x, self.w13, self.w2, *self._route(x))
         if self.shared_experts is not None:
             # Built with an unreduced row-parallel down projection: a partial sum too.
             shared = self.shared_experts(x)
@@ -226,17 +224,21 @@ class FusedMoE(nn.Module):
             out = tensor_parallel_all_reduce(out)  # one reduction for the routed and shared experts
         return out
 
-    def _forward_expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self.gate.route(x, self.router)
+        if self.load is not None:
+            self.load.add(ids)
+        return weights, ids
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
         exchange = self._exchange()
         num_tokens = x.shape[0]
-        if self.tp_size > 1:  # the TP ranks hold the same tokens: each sends its slice, then all gather
+        x_part = x
+        if self.tp_size > 1:  # the TP ranks hold the same tokens: each routes and sends a slice, then all gather
             per_rank = -(-num_tokens // self.tp_size)
             start = min(self.tp_rank * per_rank, num_tokens)
-            stop = min(start + per_rank, num_tokens)
-            x_part, weights, ids = x[start:stop], weights[start:stop], ids[start:stop]
-        else:
-            x_part = x
-        sent = exchange.dispatch(x_part, weights, ids)
+            x_part = x[start:min(start + per_rank, num_tokens)]
+        sent = exchange.dispatch(x_part, *self._route(x_part))
         expert_out = ops.fused_experts(sent.hidden, self.w13, self.w2, sent.weights[:, None],
                                        sent.local_ids[:, None])
         out = exchange.combine(expert_out, sent.handle)
