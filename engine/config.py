@@ -10,6 +10,9 @@ KERNEL_BACKENDS = ("auto", "torch", "triton", "aiter")
 TP_REDUCE_DTYPES = ("auto", "float32", "model")
 RESIDUAL_DTYPES = ("auto", "float32", "model")
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_SCALES = ("auto", "tensor", "token")
+QUANTIZATIONS = ("fp8", "fp8_tensor", "fp8_channel", "fp8_block", "mxfp4")
 
 
 class ConfigError(ValueError):
@@ -59,6 +62,17 @@ class EngineConfig:
     # first, which may compile kernels, four times this) before the engine is declared dead. 0: no watchdog.
     step_timeout_s: float = 30.0
     hf_overrides: dict = field(default_factory=dict)
+    # Quantize a full-precision checkpoint's linear layers and experts as they load: "fp8" (= "fp8_channel":
+    # per-channel weights, dynamic per-token activations), "fp8_tensor", "fp8_block" (128x128), "mxfp4"
+    # (weight-only). None: as the checkpoint is (a quantized checkpoint's quantization_config is followed).
+    quantization: str | None = None
+    # "auto": the KV cache in the activations' dtype. "fp8" (= "fp8_e4m3"): keys and values stored as FP8
+    # e4m3 (e4m3fnuz on MI300X), half the bytes of bf16, dequantized by the attention kernels.
+    kv_cache_dtype: str = "auto"
+    # An FP8 cache's scales: "tensor" (one per layer for keys, one for values: the checkpoint's k_scale /
+    # v_scale, else 1.0), "token" (computed per token and KV head as they are written), "auto" ("tensor"
+    # where the checkpoint has KV scales, else "token").
+    kv_cache_scales: str = "auto"
 
     def __post_init__(self) -> None:
         self._check(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty string")
@@ -68,6 +82,10 @@ class EngineConfig:
         self._check(self.device in DEVICES, "device", f"must be one of {DEVICES}")
         self._check(self.tp_reduce_dtype in TP_REDUCE_DTYPES, "tp_reduce_dtype", f"must be one of {TP_REDUCE_DTYPES}")
         self._check(self.residual_dtype in RESIDUAL_DTYPES, "residual_dtype", f"must be one of {RESIDUAL_DTYPES}")
+        self._check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
+        self._check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+                    f"must be one of {QUANTIZATIONS} or None")
+        self._check(self.kv_cache_scales in KV_CACHE_SCALES, "kv_cache_scales", f"must be one of {KV_CACHE_SCALES}")
         self._positive_int("max_num_seqs")
         self._positive_int("block_size")
         self._positive_int("tensor_parallel_size")
@@ -98,6 +116,10 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None and not self.enable_chunked_prefill:
             raise ConfigError("long_prefill_token_threshold needs enable_chunked_prefill: without it a prompt "
                               "is prefilled whole")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def lockstep(self) -> bool:

@@ -129,3 +129,54 @@ def engine_logits(model, token_ids: list[int]) -> torch.Tensor:
         seq_lens_cpu=[n], num_computed_tokens_cpu=[0])
     with torch.inference_mode(), forward_context(metadata, 16):
         return model.compute_logits(model(torch.tensor(token_ids), torch.arange(n)))
+
+
+# Quantization tests need a model whose next-token choices have margins like a real model's: a random one's
+# top candidates are near-ties that any rounding flips. These shapes divide into 128x128 FP8 blocks and
+# 32-wide MXFP4 groups (q 256 rows, k and v 128 each, MLP 384, experts 128).
+QUANT_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    intermediate_size=384, initializer_range=0.05)
+
+
+_TRAINED: dict[tuple, Path] = {}
+
+
+def make_trained_tiny_model(folder: Path, arch: str, steps: int = 40, seed: int = 0, **overrides) -> Path:
+    """A tiny model of `arch` with QUANT_SHAPES, trained for `steps` AdamW steps to predict TRAINING_TEXT
+    (seconds on a CPU), saved with its tokenizer into `folder`; the same request again in this process
+    returns the first folder (tests only read them)."""
+    key = (arch, steps, seed, tuple(sorted(overrides.items())))
+    if key in _TRAINED and _TRAINED[key].is_dir():
+        return _TRAINED[key]
+    _TRAINED[key] = _train(folder, arch, steps, seed, overrides)
+    return _TRAINED[key]
+
+
+def _train(folder: Path, arch: str, steps: int, seed: int, overrides: dict) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    extra = {"moe_intermediate_size": 128} if "moe_intermediate_size" in ARCHITECTURES[arch] else {}
+    make_tiny_model(folder, arch, seed, **{**QUANT_SHAPES, **extra, **overrides})
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = torch.tensor(tokenizer(TRAINING_TEXT)["input_ids"])
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    window = 64
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - window - 1, (4,), generator=generator)
+        batch = torch.stack([ids[s:s + window] for s in starts.tolist()])
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def training_sequence(folder: Path, length: int = 160) -> list[int]:
+    """Token ids of a stretch of TRAINING_TEXT: a teacher-forced sequence the trained model knows."""
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(str(folder))(TRAINING_TEXT)["input_ids"]
+    return ids[7:7 + length]

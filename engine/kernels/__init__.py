@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.kernels.registry import OPS, BackendUnavailable, KernelBackend, resolve
+from engine.kernels.registry import OPS, BackendUnavailable, KernelBackend, ModelFacts, resolve
 
 ops = SimpleNamespace()
 _active: KernelBackend | None = None
 
 
-def activate(requested: str, device: torch.device) -> KernelBackend:
+def activate(requested: str, device: torch.device, facts: ModelFacts | None = None) -> KernelBackend:
     global _active
-    backend = resolve(requested, device)
+    backend = resolve(requested, device, facts)
     ops.__dict__.clear()
     ops.__dict__.update(backend.ops)
     _active = backend
@@ -29,4 +29,4 @@ def active_backend() -> KernelBackend:
 activate("torch", torch.device("cpu"))  # a usable default until an engine chooses
 
 
-__all__ = ["OPS", "BackendUnavailable", "KernelBackend", "activate", "active_backend", "ops"]
+__all__ = ["OPS", "BackendUnavailable", "KernelBackend", "ModelFacts", "activate", "active_backend", "ops"]

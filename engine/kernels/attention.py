@@ -28,6 +28,44 @@ class CommonAttentionMetadata:
 
 Rope = tuple  # (positions [T], cos_sin_cache [max_position, rotary_dim], is_neox)
 
+KV_SCALE_GRANULARITIES = ("tensor", "token")
+FP8_KV_MIN_SCALE = 1e-6 / 448.0  # a per-token scale never drops below this (an all-zero head vector)
+
+
+@dataclass
+class KVCacheQuant:
+    """The scales of one layer's FP8 KV cache (`kv_cache_dtype="fp8"`). The cache stores
+    q = clamp(x / scale, -fp8_max, fp8_max) rounded to the cache's FP8 dtype; attention reads q * scale.
+
+    - "tensor": one scale for all keys and one for all values: `k_scale`, `v_scale` are float32 [1] (from the
+      checkpoint's k_scale / v_scale, else 1.0).
+    - "token": dynamic, per token and KV head: scale = max(amax(|x|) over head_size / fp8_max,
+      FP8_KV_MIN_SCALE), written by the cache write beside the values, in float32 tensors of the attention
+      backend's `kv_scale_shape` (by default [num_blocks, block_size, num_kv_heads], indexed by cache slot
+      like the cache itself)."""
+    granularity: str
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    @property
+    def per_token(self) -> bool:
+        return self.granularity == "token"
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def quantize_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale clamped to the FP8 range and rounded to `dtype` (scale broadcasts against x)."""
+    limit = fp8_max(dtype)
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
+def per_token_fp8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D] -> [...] float32: the dynamic per-token (and head) scale KVCacheQuant describes."""
+    return (x.float().abs().amax(dim=-1) / fp8_max(dtype)).clamp(min=FP8_KV_MIN_SCALE)
+
 
 def apply_rope(query: torch.Tensor, key: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary embedding through the active backend's op: what a backend that cannot fuse it does."""
@@ -43,11 +81,24 @@ class AttentionBackend(ABC):
     # Whether a decode step can be captured in a CUDA graph: launches must depend only on device tensors
     # and on metadata captured at max_model_len.
     supports_cuda_graphs: bool = False
+    # The FP8 format of an FP8 KV cache on this backend (see kv_fp8_dtype), and the scales it can read.
+    fp8_kv_dtype: torch.dtype = torch.float8_e4m3fn
+    kv_scale_granularities: tuple[str, ...] = KV_SCALE_GRANULARITIES
+
+    @classmethod
+    def kv_fp8_dtype(cls) -> torch.dtype:
+        """The FP8 format of an FP8 KV cache (AITER on MI300X: float8_e4m3fnuz)."""
+        return cls.fp8_kv_dtype
 
     @staticmethod
     @abstractmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache (keys and values together)."""
+
+    @staticmethod
+    def kv_scale_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        """Shape of one layer's per-token key scales (and of its value scales) in an FP8 cache."""
+        return (num_blocks, block_size, num_kv_heads)
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata, block_size: int):
@@ -57,7 +108,10 @@ class AttentionBackend(ABC):
     @staticmethod
     @abstractmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata, scale: float, block_size: int, rope: Rope | None = None) -> torch.Tensor:
+                metadata, scale: float, block_size: int, rope: Rope | None = None,
+                kv_quant: KVCacheQuant | None = None) -> torch.Tensor:
         """Rotate queries and keys by `rope` when given (a backend may fuse this into its cache write; the
         rest call `apply_rope`), write this step's keys/values into the cache, then attend. query [T, H, D],
-        key/value [T, Hk, D]; returns [T, H, D]."""
+        key/value [T, Hk, D]; returns [T, H, D]. With `kv_quant` the cache is FP8 (`fp8_kv_dtype`): keys and
+        values are quantized as they are written and dequantized as they are read; this step's own keys of a
+        prefill are read back from the cache, or used unquantized where that is exactly what is cached."""

@@ -1,8 +1,10 @@
 """Kernel backends and the choice between them.
 
 A backend is a table: operation name -> function, plus its attention backend. Choosing one happens once,
-at start-up: operations the chosen backend lacks fall back to the torch reference and are logged then,
-so no request ever discovers a missing kernel.
+at start-up: operations the chosen backend lacks, or declines for this model (`declines`: AITER's
+attention kernels need head size 128, for example), fall back to the Triton backend where it can run,
+else to the torch reference; each fallback is logged then, and `KernelBackend.table()` lists what runs, so
+no request ever discovers a missing kernel.
 """
 from __future__ import annotations
 
@@ -33,7 +35,23 @@ OPS = (
                             #   routed_scaling_factor) -> (weights, ids)
     "fused_experts",        # (x[T,H], w13[E,2I,H], w2[E,H,I], weights[T,k] fp32, ids[T,k] int32, -1 = none)
                             #   -> [T,H]: the weighted sum of each token's experts' MLPs
+    # Quantized weights (engine/kernels/quant.py states the formats; engine/kernels/torch/quant.py the maths).
+    # An op may carry `prepare(qw) -> None`, run once per weight after loading to fill qw.prepared with the
+    # layout its kernels read (see `prepare_quantized`).
+    "gemm_fp8_tensor",      # (x[...,K], qw: QuantizedWeight, bias|None, out_dtype=None) -> [...,N]
+    "gemm_fp8_channel",     #   the same for each scheme
+    "gemm_fp8_block",
+    "gemm_mxfp4",
+    "fused_experts_fp8",    # (x, w13: QuantizedWeight [E,2I,H], w2: QuantizedWeight [E,H,I], weights, ids)
+    "fused_experts_mxfp4",  #   -> [T,H], as fused_experts
 )
+
+
+def prepare_quantized(op: Callable, qw) -> None:
+    """Let `op`'s backend derive the layout its kernels read from a loaded quantized weight (once)."""
+    prepare = getattr(op, "prepare", None)
+    if prepare is not None:
+        prepare(qw)
 
 # name -> module that defines BACKEND (a KernelBackend) and available(device) -> str | None (why not).
 BACKEND_MODULES = {
@@ -43,11 +61,43 @@ BACKEND_MODULES = {
 }
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a backend may need to know about the model to decide, once, what it serves."""
+    head_sizes: tuple[int, ...] = ()
+    gqa_ratios: tuple[int, ...] = ()        # query heads per KV head, per attention layer kind
+    sliding_window: bool = False
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+    fp8_kv_cache: bool = False
+    kv_cache_scales: str = "auto"
+
+
 @dataclass
 class KernelBackend:
     name: str
     ops: dict[str, Callable] = field(default_factory=dict)
     attention: type | None = None  # an AttentionBackend subclass
+    # (op name or "attention", facts) -> why this backend cannot serve it for this model, or None.
+    declines: Callable[[str, ModelFacts], str | None] | None = None
+    # op (or "attention") -> what runs it, for the start-up table (filled by `resolve`).
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def table(self) -> list[tuple[str, str]]:
+        """(op, implementation) for every op and the attention backend: what this process runs."""
+        rows = [(op, self.sources.get(op, describe(self.ops.get(op)))) for op in OPS]
+        return rows + [("attention", self.sources.get("attention", describe(self.attention)))]
+
+
+def describe(fn) -> str:
+    """A kernel's name for tables: its `kernel` attribute (e.g. "aiter.pa_fwd_asm"), else module.function."""
+    if fn is None:
+        return "-"
+    kernel = getattr(fn, "kernel", None)
+    if kernel:
+        return kernel
+    name = getattr(fn, "__qualname__", getattr(fn, "__name__", type(fn).__name__))
+    return f"{fn.__module__.removeprefix('engine.kernels.')}.{name}"
 
 
 class BackendUnavailable(RuntimeError):
@@ -81,15 +131,39 @@ def choose_backend_name(requested: str, device: torch.device) -> str:
     return "torch"
 
 
-def resolve(requested: str, device: torch.device) -> KernelBackend:
-    """The chosen backend with every missing operation filled in from the torch reference."""
+def fallback_backend_name(name: str, device: torch.device) -> str:
+    """Where a backend's missing or declined ops go: Triton where it runs (and is not the backend itself),
+    else the torch reference."""
+    if name != "triton" and unavailable_reason("triton", device) is None:
+        return "triton"
+    return "torch"
+
+
+def resolve(requested: str, device: torch.device, facts: ModelFacts | None = None) -> KernelBackend:
+    """The chosen backend with every missing or declined operation filled in from the fallback backend."""
     name = choose_backend_name(requested, device)
     backend = _load(name).BACKEND
+    facts = facts or ModelFacts()
     if name == "torch":
-        return backend
-    reference = _load("torch").BACKEND
-    missing = [op for op in OPS if op not in backend.ops]
+        return KernelBackend(name, dict(backend.ops), backend.attention,
+                             sources={"attention": describe(backend.attention)})
+    fallback_name = fallback_backend_name(name, device)
+    fallback = resolve(fallback_name, device, facts) if fallback_name != "torch" else _load("torch").BACKEND
+    table, sources, missing = {}, {}, []
+    for op in (*OPS, "attention"):
+        impl = backend.attention if op == "attention" else backend.ops.get(op)
+        reason = "not implemented" if impl is None else (backend.declines(op, facts) if backend.declines else None)
+        if reason is None:
+            chosen, sources[op] = impl, describe(impl)
+        else:
+            chosen = fallback.attention if op == "attention" else fallback.ops[op]
+            sources[op] = f"{describe(chosen)} ({fallback_name} fallback: {reason})"
+            (missing.append(op) if reason == "not implemented"
+             else logger.info("kernel backend %s: %s runs on %s: %s", name, op, fallback_name, reason))
+        if op == "attention":
+            attention = chosen
+        else:
+            table[op] = chosen
     if missing:
-        logger.info("kernel backend %s: using the torch reference for %s", name, ", ".join(missing))
-    table = {op: backend.ops.get(op, reference.ops[op]) for op in OPS}
-    return KernelBackend(name, table, backend.attention or reference.attention)
+        logger.info("kernel backend %s: using %s for %s", name, fallback_name, ", ".join(missing))
+    return KernelBackend(name, table, attention, sources=sources)

@@ -6,6 +6,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.kernels import active_backend
+from engine.kernels.attention import KVCacheQuant
 
 
 class Attention(nn.Module):
@@ -15,6 +16,20 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = active_backend().attention
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner, layout chosen by the backend
+        self.kv_quant: KVCacheQuant | None = None  # an FP8 cache's scales, bound with it
+        # Per-tensor FP8 KV-cache scales from a checkpoint that has them (k_scale / v_scale), else 1.0.
+        self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.checkpoint_kv_scales = False
+        for param in (self.k_scale, self.v_scale):
+            param.weight_loader = self._kv_scale_loader
+            param.check_loaded = lambda param, shards: None  # optional
+
+    def _kv_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.numel() != 1:
+            raise ValueError(f"a per-tensor KV-cache scale must be one number, got shape {tuple(loaded.shape)}")
+        param.data.copy_(loaded.float().reshape(1))
+        self.checkpoint_kv_scales = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rope=None) -> torch.Tensor:
         """rope: (positions, cos_sin_cache, is_neox) to rotate queries and keys first (see
@@ -26,5 +41,5 @@ class Attention(nn.Module):
             query.view(-1, self.num_heads, self.head_size),
             key.view(-1, self.num_kv_heads, self.head_size),
             value.view(-1, self.num_kv_heads, self.head_size),
-            self.kv_cache, context.attn_metadata, self.scale, context.block_size, rope)
+            self.kv_cache, context.attn_metadata, self.scale, context.block_size, rope, kv_quant=self.kv_quant)
         return out.view(-1, self.num_heads * self.head_size)

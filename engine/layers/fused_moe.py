@@ -24,7 +24,11 @@ import torch
 from torch import nn
 
 from engine.kernels import ops
+from engine.kernels.quant import MXFP4_GROUP, QuantizedWeight, QuantScheme
+from engine.kernels.registry import prepare_quantized
 from engine.layers.linear import ReplicatedLinear, shard_range
+from engine.layers.quantization import (aligned_narrow, building_experts_scheme, new_param,
+                                        requantize_to_max_scale, unit_size)
 from engine.parallel import get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce
 from engine.parallel.all_to_all import make_all_to_all
 
@@ -132,76 +136,186 @@ class FusedMoE(nn.Module):
             self.expert_start, self.num_local_experts = 0, num_experts
             self.i_start, self.local_intermediate = shard_range(intermediate_size, self.tp_size, self.tp_rank)
         self.gate = Router(num_experts, hidden_size, router.correction_bias, router_dtype)
-        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_intermediate, hidden_size),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.local_intermediate),
-                               requires_grad=False)
-        for param in (self.w13, self.w2):
-            param.weight_loader = self.expert_weight_loader
-            param.check_loaded = self._missing_experts
+        self.set_quant_scheme(building_experts_scheme())
         self.shared_experts = shared_experts
         # Qwen2-MoE style: sigmoid(x . g) scales the shared experts' output.
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1) if shared_expert_gate else None
         self._all_to_all = None
         self.load: ExpertLoad | None = None
 
-    # ---- loading ------------------------------------------------------------------------------------
-    EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-    FUSED_NAME = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+    # ---- weights and loading ------------------------------------------------------------------------
+    def set_quant_scheme(self, scheme: QuantScheme | None) -> None:
+        """(Re)create the expert parameters: full precision, or quantized per `scheme` (engine/kernels/quant.py
+        formats with a leading expert dimension; per-tensor FP8 keeps a gate and an up scale per expert until
+        `finish_loading` merges them)."""
+        self.quant_scheme, self.q13, self.q2 = scheme, None, None
+        E, I, H = self.num_local_experts, self.local_intermediate, self.hidden_size
+        names = ("w13", "w2", "w13_scale", "w2_scale", "w13_input_scale", "w2_input_scale")
+        if scheme is None:
+            self.w13 = new_param((E, 2 * I, H))
+            self.w2 = new_param((E, H, I))
+            for name in names[2:]:
+                self.register_parameter(name, None)
+        else:
+            if scheme.method == "fp8_block" and I % scheme.block[0]:
+                raise ValueError(f"FP8 block-quantized experts need each rank's slice of the intermediate size "
+                                 f"({I}) to be a multiple of the block ({scheme.block[0]})")
+            self.w13 = new_param((E, *scheme.weight_shape(2 * I, H)), scheme.weight_dtype)
+            self.w2 = new_param((E, *scheme.weight_shape(H, I)), scheme.weight_dtype)
+            if scheme.method == "fp8_tensor":
+                self.w13_scale, self.w2_scale = new_param((E, 2), torch.float32), new_param((E,), torch.float32)
+            else:
+                self.w13_scale = new_param((E, *scheme.scale_shape(2 * I, H)), scheme.scale_dtype)
+                self.w2_scale = new_param((E, *scheme.scale_shape(H, I)), scheme.scale_dtype)
+            if scheme.activation == "static":  # one scale for all experts: the checkpoint's largest
+                self.w13_input_scale = new_param((1,), torch.float32, fill=0.0)
+                self.w2_input_scale = new_param((1,), torch.float32, fill=0.0)
+            else:
+                self.register_parameter("w13_input_scale", None)
+                self.register_parameter("w2_input_scale", None)
+        for name in names:
+            param = getattr(self, name)
+            if param is not None:
+                param.weight_loader = self.expert_weight_loader
+                param.check_loaded = (lambda p, shards: None) if "input" in name else self._missing_experts
+
+    EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
+                             r"(weight|weight_scale|weight_scale_inv|input_scale)$")
+    FUSED_NAME = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_blocks|_scales)?$")
     PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+    ROLE = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale", "input_scale": "_input_scale",
+            None: "", "_blocks": "", "_scales": "_scale"}
 
     @classmethod
     def checkpoint_target(cls, name: str) -> tuple[str, tuple] | None:
         """(parameter name, shard) for a checkpoint tensor of routed experts, or None for any other tensor:
         `<layer>.mlp.experts.3.up_proj.weight` -> (`<layer>.mlp.w13`, (3, 'up'));
-        `<layer>.mlp.experts.gate_up_proj` -> (`<layer>.mlp.w13`, ('fused',)) (the FusedMoE sits at `mlp`)."""
+        `<layer>.mlp.experts.3.up_proj.weight_scale_inv` -> (`<layer>.mlp.w13_scale`, (3, 'up'));
+        `<layer>.mlp.experts.gate_up_proj` -> (`<layer>.mlp.w13`, ('fused',)) (the FusedMoE sits at `mlp`);
+        gpt-oss MXFP4 `<layer>.mlp.experts.gate_up_proj_blocks` / `_scales` -> w13 / w13_scale, ('fused',)."""
         match = cls.EXPERT_NAME.search(name)
         if match:
             part = cls.PART[match.group(2)]
             prefix = name[:match.start()]
-            return f"{prefix}.{'w2' if part == 'down' else 'w13'}", (int(match.group(1)), part)
+            base = "w2" if part == "down" else "w13"
+            return f"{prefix}.{base}{cls.ROLE[match.group(3)]}", (int(match.group(1)), part)
         match = cls.FUSED_NAME.search(name)
         if match:
             prefix = name[:match.start()]
-            return f"{prefix}.{'w13' if match.group(1) == 'gate_up_proj' else 'w2'}", ("fused",)
+            base = "w13" if match.group(1) == "gate_up_proj" else "w2"
+            return f"{prefix}.{base}{cls.ROLE[match.group(2)]}", ("fused",)
         return None
 
+    def _i_units(self, param: nn.Parameter) -> int:
+        """Intermediate-size rows (w13) or columns (w2) per stored element of `param`."""
+        scheme = self.quant_scheme
+        if scheme is None:
+            return 1
+        if param is self.w13_scale and scheme.method == "fp8_block":
+            return scheme.block[0]
+        if param is self.w2_scale:
+            return {"fp8_block": scheme.block[1], "mxfp4": MXFP4_GROUP}.get(scheme.method, 1)
+        if param is self.w2 and scheme.method == "mxfp4":
+            return 2
+        return 1
+
     def expert_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple) -> None:
-        I, H = self.intermediate_size, self.hidden_size
+        if param is self.w13_input_scale or param is self.w2_input_scale:
+            param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1)))
+            return
+        per_tensor = self.quant_scheme is not None and self.quant_scheme.method == "fp8_tensor"
+        is_scale = param is self.w13_scale or param is self.w2_scale
+        if param is self.w13_scale and self.quant_scheme.method == "fp8_channel" or \
+                param is self.w2_scale and self.quant_scheme.method == "fp8_channel":
+            loaded = loaded.reshape(*loaded.shape[:-2], -1) if loaded.shape[-1:] == (1,) else loaded
         local = slice(self.expert_start, self.expert_start + self.num_local_experts)
         if shard[0] == "fused":
-            full = (self.num_experts, 2 * I, H) if param is self.w13 else (self.num_experts, H, I)
-            _check_shape(loaded, full, "fused experts")
-            if param is self.w13:
-                for half in range(2):
-                    rows = loaded[local, half * I + self.i_start: half * I + self.i_start + self.local_intermediate]
-                    param.data[:, half * self.local_intermediate:(half + 1) * self.local_intermediate].copy_(rows)
-            else:
-                param.data.copy_(loaded[local, :, self.i_start:self.i_start + self.local_intermediate])
+            if per_tensor and is_scale:  # one scale per expert ([E]), for gate and up alike
+                _check_shape(loaded, (self.num_experts,), "fused per-tensor expert scales")
+                param.data.copy_(loaded[local].float().view(-1, *([1] * (param.dim() - 1))).expand_as(param))
+                return
+            if loaded.dim() == 4:  # gpt-oss MXFP4 blocks [E, rows, groups, 16] -> [E, rows, K/2]
+                loaded = loaded.flatten(2)
+            if loaded.shape[0] != self.num_experts:
+                raise ValueError(f"fused experts have {loaded.shape[0]} experts, expected {self.num_experts}")
+            for e in range(self.num_local_experts):
+                expert = loaded[self.expert_start + e]
+                if param is self.w13 or param is self.w13_scale:
+                    half = expert.shape[0] // 2
+                    self._load_expert_part(param, e, "gate", expert[:half])
+                    self._load_expert_part(param, e, "up", expert[half:])
+                else:
+                    self._load_expert_part(param, e, "down", expert)
             return
         expert, part = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside [0, {self.num_experts})")
-        _check_shape(loaded, (H, I) if part == "down" else (I, H), f"expert {expert} {part}")
         if not local.start <= expert < local.stop:
             return  # held by another EP rank
         e = expert - self.expert_start
+        if per_tensor and is_scale:
+            column = 0 if part in ("gate", "down") else 1
+            target = param.data[e] if param is self.w2_scale else param.data[e, column]
+            target.copy_(loaded.float().reshape(()))
+            return
+        self._load_expert_part(param, e, part, loaded)
+
+    def _load_expert_part(self, param: nn.Parameter, e: int, part: str, loaded: torch.Tensor) -> None:
+        """One expert's gate, up or down tensor (full intermediate size) -> this rank's slice of it."""
+        is_scale = param is self.w13_scale or param is self.w2_scale
+        what = f"expert {self.expert_start + e} {part}{' scale' if is_scale else ''}"
+        units = self._i_units(param)
+        local_units = unit_size(self.local_intermediate, units, what, exact=True)
         if part == "down":
-            param.data[e].copy_(loaded[:, self.i_start:self.i_start + self.local_intermediate])
-        else:
-            offset = 0 if part == "gate" else self.local_intermediate
-            param.data[e, offset:offset + self.local_intermediate].copy_(
-                loaded[self.i_start:self.i_start + self.local_intermediate])
+            if loaded.dim() == 1 or param is self.w2_scale and self.quant_scheme.method == "fp8_channel":
+                _check_shape(loaded, param.shape[1:], what)  # per output row: nothing to split
+                param.data[e].copy_(loaded)
+                return
+            full = (param.shape[1], unit_size(self.intermediate_size, units, what, exact=False))
+            _check_shape(loaded, full, what)
+            sliced = aligned_narrow(loaded, 1, self.i_start, local_units, units, what)
+            _check_shape(sliced, param.shape[1:], what)
+            param.data[e].copy_(sliced)
+            return
+        offset = 0 if part == "gate" else local_units
+        _check_shape(loaded, (unit_size(self.intermediate_size, units, what, exact=False), *param.shape[2:]), what)
+        sliced = aligned_narrow(loaded, 0, self.i_start, local_units, units, what)
+        param.data[e, offset:offset + local_units].copy_(sliced)
 
     def _missing_experts(self, param: nn.Parameter, shards: set) -> str | None:
         """What the checkpoint did not provide for `param`, or None."""
         if ("fused",) in shards:
             return None
-        parts = ("down",) if param is self.w2 else ("gate", "up")
+        parts = ("down",) if param is self.w2 or param is self.w2_scale else ("gate", "up")
         missing = [f"{e}.{p}" for e in range(self.num_experts) for p in parts if (e, p) not in shards]
         if not missing:
             return None
         return f"experts {missing[:6]}{' ...' if len(missing) > 6 else ''} ({len(missing)} tensors)"
+
+    def finish_loading(self) -> None:
+        """After every tensor arrived: merge per-tensor gate/up scales, build the kernel's views, prepare."""
+        scheme = self.quant_scheme
+        if scheme is None:  # a backend whose expert kernel reads another layout rewrites the weights once
+            prepare = getattr(ops.fused_experts, "prepare_weights", None)
+            if prepare is not None:
+                prepare(self.w13.data, self.w2.data)
+            return
+        scale13, scale2 = self.w13_scale.data, self.w2_scale.data
+        if scheme.method == "fp8_tensor":
+            I = self.local_intermediate
+            scale13 = torch.cat([requantize_to_max_scale(self.w13.data[e], scale13[e], [I, I])
+                                 for e in range(self.num_local_experts)]) if self.num_local_experts else scale13[:, 0]
+        inputs = [None if p is None else p.data for p in (self.w13_input_scale, self.w2_input_scale)]
+        self.q13 = QuantizedWeight(scheme, self.w13.data, scale13, inputs[0])
+        self.q2 = QuantizedWeight(scheme, self.w2.data, scale2, inputs[1])
+        op = getattr(ops, scheme.moe_op)
+        prepare_quantized(op, self.q13)
+        prepare_quantized(op, self.q2)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.q13 is not None:
+            return getattr(ops, self.quant_scheme.moe_op)(x, self.q13, self.q2, weights, ids)
+        return ops.fused_experts(x, self.w13, self.w2, weights, ids)
 
     def count_expert_load(self, enabled: bool = True) -> None:
         self.load = ExpertLoad(self.num_experts) if enabled else None
@@ -211,7 +325,7 @@ class FusedMoE(nn.Module):
         if self.expert_parallel:
             out = self._forward_expert_parallel(x)
         else:  # a partial sum over this rank's slice of every expert
-            out = ops.fused_experts(x, self.w13, self.w2, *self._route(x))
+            out = self._experts(x, *self._route(x))
         if self.shared_experts is not None:
             # Built with an unreduced row-parallel down projection: a partial sum too.
             shared = self.shared_experts(x)
@@ -239,8 +353,7 @@ class FusedMoE(nn.Module):
             start = min(self.tp_rank * per_rank, num_tokens)
             x_part = x[start:min(start + per_rank, num_tokens)]
         sent = exchange.dispatch(x_part, *self._route(x_part))
-        expert_out = ops.fused_experts(sent.hidden, self.w13, self.w2, sent.weights[:, None],
-                                       sent.local_ids[:, None])
+        expert_out = self._experts(sent.hidden, sent.weights[:, None], sent.local_ids[:, None])
         out = exchange.combine(expert_out, sent.handle)
         if self.tp_size > 1:
             padded = torch.zeros(per_rank, out.shape[1], dtype=out.dtype, device=out.device)

@@ -25,31 +25,47 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                show_progress: bool = True, residual_dtype: torch.dtype | None = None) -> nn.Module:
-    """`residual_dtype`: the residual stream's dtype (default: `dtype`)."""
+                show_progress: bool = True, residual_dtype: torch.dtype | None = None,
+                quantization: str | None = None) -> nn.Module:
+    """`residual_dtype`: the residual stream's dtype (default: `dtype`). `quantization`: quantize a
+    full-precision checkpoint as it loads (engine.layers.quantization.ONLINE_METHODS); a quantized
+    checkpoint's own `quantization_config` needs nothing."""
+    from engine.layers.quantization import log_plan, quantized_build
+    from engine.loader.quant_plan import apply_plan, finish_loading, resolve_quant_plan
     model_class = model_class_for(source.hf_config)
-    with _default_dtype(dtype), torch.device(device):
+    plan = resolve_quant_plan(source.hf_config, quantization, source.format)
+    with _default_dtype(dtype), torch.device(device), quantized_build(plan):
         model = model_class(source.hf_config, residual_dtype=residual_dtype or dtype)
+        if plan is not None:
+            apply_plan(model, plan)
     model.eval()
     if source.format == "dummy":
         names_and_shapes = dummy_checkpoint_layout(source.hf_config)
-        load_weights(model, dummy_checkpoint(names_and_shapes, device, seed), len(names_and_shapes), show_progress)
+        load_weights(model, dummy_checkpoint(names_and_shapes, device, seed), len(names_and_shapes), show_progress,
+                     plan)
     elif source.format == "gguf":
-        load_weights(model, source.gguf.iter_weights(), source.gguf.num_tensors, show_progress)
+        load_weights(model, source.gguf.iter_weights(), source.gguf.num_tensors, show_progress, plan)
     else:
         from engine.loader import safetensors
         files = safetensors.checkpoint_files(source.path)
-        load_weights(model, safetensors.iter_weights(files), safetensors.count_tensors(files), show_progress)
+        load_weights(model, safetensors.iter_weights(files), safetensors.count_tensors(files), show_progress, plan)
+    finish_loading(model)
+    if plan is not None:
+        log_plan(model)
     return model
 
 
-def load_weights(model: nn.Module, weights, total: int | None = None, show_progress: bool = True) -> None:
+def load_weights(model: nn.Module, weights, total: int | None = None, show_progress: bool = True,
+                 plan=None) -> None:
     """Feed (HF name, full tensor) pairs to the parameters' weight loaders; fail on anything missing.
 
     A model may rename checkpoint tensors first (`remap_checkpoint_name`: a new name, or None to skip one);
     routed-expert tensors, per expert or fused, go to their FusedMoE's parameters; the names in the
-    model's `packed_modules_mapping` go to their fused projection's shard."""
+    model's `packed_modules_mapping` go to their fused projection's shard. Quantized checkpoints' scales go
+    beside their weights (quant_plan.checkpoint_param_name); with an online `plan`, full-precision weights
+    of quantized layers are quantized first."""
     from engine.layers.fused_moe import FusedMoE
+    from engine.loader.quant_plan import checkpoint_param_name, online_quantized
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     remap = getattr(model, "remap_checkpoint_name", None)
@@ -64,6 +80,9 @@ def load_weights(model: nn.Module, weights, total: int | None = None, show_progr
             name = remap(checkpoint_name) if remap is not None else checkpoint_name
             if name is None or "rotary_emb.inv_freq" in name or (tie and name == "lm_head.weight"):
                 continue
+            name = checkpoint_param_name(name, params)
+            if name is None:
+                continue
             shard = None
             expert_target = FusedMoE.checkpoint_target(name)
             if expert_target is not None:
@@ -77,19 +96,12 @@ def load_weights(model: nn.Module, weights, total: int | None = None, show_progr
             if param is None:
                 raise ModelSourceError(f"checkpoint tensor {checkpoint_name!r} has no parameter in "
                                        f"{type(model).__name__}; is this the right architecture?")
-            loader = getattr(param, "weight_loader", None)
             try:
-                if shard is not None:
-                    loader(param, tensor, shard)
-                elif loader is not None:
-                    loader(param, tensor)
-                else:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                    param.data.copy_(tensor)
+                for target, value in online_quantized(model, name, param, tensor, params, plan):
+                    _load_one(params[target], value, shard)
+                    loaded.setdefault(target, set()).add(shard)
             except ValueError as exc:
                 raise ModelSourceError(f"checkpoint tensor {checkpoint_name!r} does not fit {name}: {exc}") from exc
-            loaded.setdefault(name, set()).add(shard)
     missing = []
     for name, param in params.items():
         check = getattr(param, "check_loaded", None)
@@ -104,6 +116,18 @@ def load_weights(model: nn.Module, weights, total: int | None = None, show_progr
             missing.append(name)
     if missing:
         raise ModelSourceError(f"checkpoint lacks weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
+
+
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if shard is not None:
+        loader(param, tensor, shard)
+    elif loader is not None:
+        loader(param, tensor)
+    else:
+        if param.shape != tensor.shape:
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
 
 
 def dummy_checkpoint_layout(hf_config) -> list[tuple[str, tuple[int, ...]]]:

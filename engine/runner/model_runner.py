@@ -16,7 +16,7 @@ from engine import kernels
 from engine.config import EngineConfig
 from engine.core.scheduler_output import LogprobsLists, RunnerOutput, SchedulerOutput
 from engine.forward_context import forward_context
-from engine.kernels.attention import CommonAttentionMetadata
+from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant
 from engine.kernels.sampling import step_seed
 from engine.layers.attention import Attention
 from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
@@ -28,6 +28,26 @@ from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_in
 from engine.runner.kv_cache import kv_cache_budget_bytes
 
 logger = logging.getLogger(__name__)
+
+
+def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.ModelFacts:
+    """What the kernel backends decide their ops on (engine.kernels.registry.ModelFacts)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    window = getattr(text, "sliding_window", None)
+    uses_window = bool(window) and getattr(text, "use_sliding_window", True) is not False
+    return kernels.ModelFacts(head_sizes=(int(head_size),), gqa_ratios=(heads // max(kv_heads, 1),),
+                              sliding_window=uses_window, block_size=config.block_size, dtype=dtype,
+                              fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales)
+
+
+def format_op_table(backend: kernels.KernelBackend) -> str:
+    """The op -> implementation table, one aligned line per op."""
+    rows = backend.table()
+    width = max(len(op) for op, _ in rows)
+    return "\n".join(f"  {op:<{width}}  {impl}" for op, impl in rows)
 
 
 class PendingOutput:
@@ -74,11 +94,13 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
         self.dtype = resolve_dtype(config.dtype, source.hf_config, device)
-        self.kernel_backend = kernels.activate(config.kernel_backend, device)
+        self.kernel_backend = kernels.activate(config.kernel_backend, device,
+                                               model_facts(source.hf_config, config, self.dtype))
         self.attn_backend = self.kernel_backend.attention
         torch.manual_seed(config.seed)
         self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
-        self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype)
+        self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype,
+                                 config.quantization)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
@@ -90,18 +112,38 @@ class ModelRunner:
         self._unresolved: deque[PendingOutput] = deque()  # launched steps whose ids are not recorded yet
         logger.info("model loaded: %s, dtype %s (residual stream %s), device %s, kernels %s",
                     type(self.model).__name__, self.dtype, self.residual_dtype, device, self.kernel_backend.name)
+        if self.kernel_backend.name != "torch":
+            logger.info("kernel table:\n%s", format_op_table(self.kernel_backend))
 
     @property
     def uses_cuda(self) -> bool:
         return self.device.type == "cuda"
 
     # ---- KV cache and graphs ------------------------------------------------------------------------
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.attn_backend.kv_fp8_dtype() if self.config.fp8_kv_cache else self.dtype
+
+    @property
+    def kv_scale_granularity(self) -> str | None:
+        """None (no FP8 cache), "tensor" or "token" (KVCacheQuant); "auto" takes the checkpoint's per-tensor
+        scales where every attention layer has them, else per-token scales."""
+        if not self.config.fp8_kv_cache:
+            return None
+        if self.config.kv_cache_scales != "auto":
+            return self.config.kv_cache_scales
+        with_scales = [layer.checkpoint_kv_scales for layer in self.attention_layers]
+        use_tensor = with_scales and all(with_scales) and "tensor" in self.attn_backend.kv_scale_granularities
+        return "tensor" if use_tensor else "token"
+
     def kv_cache_bytes_per_block(self) -> int:
-        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        element_size = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         total = 0
         for layer in self.attention_layers:
             shape = self.attn_backend.kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
             total += int(np.prod(shape)) * element_size
+            if self.kv_scale_granularity == "token":  # float32 key and value scales per token and KV head
+                total += 2 * 4 * int(np.prod(self.attn_backend.kv_scale_shape(1, self.block_size, layer.num_kv_heads)))
         return total
 
     def determine_num_kv_blocks(self) -> int:
@@ -140,7 +182,10 @@ class ModelRunner:
             # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN. Written,
             # not calloc'ed: on CPU, torch.zeros maps pages that become resident only when first written, so
             # the process would grow by up to the whole cache while serving (and could be killed for it then).
-            layer.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device).zero_()
+            layer.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device).zero_()
+            layer.kv_quant = self._kv_quant(layer, num_blocks)
+        if self.config.fp8_kv_cache:
+            logger.info("KV cache: %s with %s scales", self.kv_cache_dtype, self.kv_scale_granularity)
         state = get_parallel_state()
         if state.expert_parallel and self.uses_cuda and not self.config.enforce_eager:
             logger.info("expert parallelism: decode steps run eagerly (the token exchange's split sizes are "
@@ -156,6 +201,16 @@ class ModelRunner:
             except RuntimeError as exc:  # e.g. a collective library that cannot be captured
                 logger.warning("decode graph capture failed, running eagerly: %s", exc)
                 torch.cuda.synchronize(self.device)
+
+    def _kv_quant(self, layer: Attention, num_blocks: int) -> KVCacheQuant | None:
+        granularity = self.kv_scale_granularity
+        if granularity is None:
+            return None
+        if granularity == "tensor":
+            return KVCacheQuant("tensor", layer.k_scale.data, layer.v_scale.data)
+        shape = self.attn_backend.kv_scale_shape(num_blocks, self.block_size, layer.num_kv_heads)
+        return KVCacheQuant("token", torch.ones(shape, dtype=torch.float32, device=self.device),
+                            torch.ones(shape, dtype=torch.float32, device=self.device))
 
     # ---- one step -------------------------------------------------------------------------------------
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:

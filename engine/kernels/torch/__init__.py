@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.torch import moe, ops
+from engine.kernels.torch import moe, ops, quant
 from engine.kernels.torch.attention import TorchAttentionBackend
 from engine.kernels.torch.sampling import sample
 
@@ -20,6 +20,12 @@ BACKEND = KernelBackend(
         "moe_topk_softmax": moe.moe_topk_softmax,
         "moe_grouped_topk": moe.moe_grouped_topk,
         "fused_experts": moe.fused_experts,
+        "gemm_fp8_tensor": quant.gemm_quantized,
+        "gemm_fp8_channel": quant.gemm_quantized,
+        "gemm_fp8_block": quant.gemm_quantized,
+        "gemm_mxfp4": quant.gemm_quantized,
+        "fused_experts_fp8": quant.fused_experts_quantized,
+        "fused_experts_mxfp4": quant.fused_experts_quantized,
     },
     attention=TorchAttentionBackend,
 )

@@ -1,0 +1,116 @@
+"""From a checkpoint's `quantization_config` (or an online `quantization` request) to quantized layers:
+the plan, its application to the built model, checkpoint names of scales, online quantization while
+loading, and the preparation once everything is loaded."""
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from engine.layers.quantization import ONLINE_METHODS, QuantPlan, quantize_for_loading
+from engine.loader.source import ModelSourceError
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_quant_plan(hf_config, requested: str | None, load_format: str = "safetensors") -> QuantPlan | None:
+    """The checkpoint's own quantization, or `requested` (online) for a full-precision one; None: neither.
+    A dummy load of a quantized config quantizes its random weights online with the config's schemes."""
+    parsed = None
+    if getattr(hf_config, "quantization_config", None):
+        from engine.quantization import QuantConfigError, parse_quantization_config
+        try:
+            parsed = parse_quantization_config(hf_config)
+        except QuantConfigError as exc:
+            raise ModelSourceError(f"unsupported quantization_config: {exc}") from exc
+    if parsed is not None:
+        if requested is not None:
+            raise ModelSourceError(f"the checkpoint is already quantized ({parsed.describe()}); "
+                                   f"drop quantization={requested!r}")
+        plan = QuantPlan(parsed.linear_scheme, parsed.experts_scheme, online=load_format == "dummy",
+                         description=parsed.describe(), kv_cache_scales=parsed.kv_cache_scales)
+        logger.info("quantized checkpoint: %s", plan.description)
+        return plan
+    if requested is None:
+        return None
+    if requested not in ONLINE_METHODS:
+        raise ModelSourceError(f"quantization={requested!r} is not supported; choose one of {sorted(ONLINE_METHODS)}")
+    logger.info("quantizing the checkpoint's weights as they load: %s", requested)
+    return QuantPlan.uniform(ONLINE_METHODS[requested], f"{requested} (online)")
+
+
+def _checkpoint_names(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint module names behind one of our modules: a fused projection stands for its parts."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    parent, _, leaf = name.rpartition(".")
+    parts = [source for source, (target, _) in packed.items() if target == leaf]
+    names = [f"{parent}.{part}" for part in parts] if parts else [name]
+    to_checkpoint = getattr(model, "checkpoint_module_name", None)
+    return [to_checkpoint(n) for n in names] if to_checkpoint else names
+
+
+def apply_plan(model: nn.Module, plan: QuantPlan) -> None:
+    """Give every layer whose scheme is not the plan's default its own (excluded layers, overrides)."""
+    from engine.layers.fused_moe import FusedMoE
+    from engine.layers.linear import LinearBase
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            prefix = _checkpoint_names(model, name)[0]
+            wanted = plan.experts(f"{prefix}.experts")
+        elif isinstance(module, LinearBase):
+            schemes = {plan.linear(n) for n in _checkpoint_names(model, name)}
+            if len(schemes) > 1:
+                raise ModelSourceError(f"{name} fuses checkpoint layers {_checkpoint_names(model, name)} that are "
+                                       f"quantized differently ({schemes}); they must share one scheme")
+            wanted = schemes.pop()
+        else:
+            continue
+        if wanted != module.quant_scheme:
+            module.set_quant_scheme(wanted)
+
+
+_SCALE_SUFFIX = re.compile(r"\.weight_scale_inv$")
+_KV_SCALE = re.compile(r"\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
+
+
+def checkpoint_param_name(name: str, params: dict) -> str | None:
+    """Our name for a quantized checkpoint's extra tensors, or None to skip one: HF fp8's `weight_scale_inv`
+    is our `weight_scale` (both multiply the weight); per-tensor KV-cache scales (`self_attn.k_scale`,
+    Quark's `k_proj.output_scale`) belong to the attention layer (`self_attn.attn.k_scale`), and are
+    skipped for a model without one there."""
+    name = _SCALE_SUFFIX.sub(".weight_scale", name)
+    match = _KV_SCALE.search(name)
+    if match:
+        kind = match.group(1) or match.group(2)
+        target = f"{name[:match.start()]}.attn.{kind}_scale"
+        if target not in params:
+            logger.debug("skipping %s: no attention layer takes KV-cache scales there", name)
+            return None
+        return target
+    if name.endswith(".output_scale"):
+        return None  # output activation scales of other layers: nothing uses them
+    return name
+
+
+def online_quantized(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor, params: dict,
+                     plan: QuantPlan | None):
+    """(parameter name, tensor) pairs to load for one checkpoint tensor: itself, or, when `plan` quantizes
+    online and the tensor is a full-precision weight of a quantized layer, its quantized values and scale."""
+    quantizing = (plan is not None and plan.online and tensor.is_floating_point()
+                  and param.dtype in (torch.float8_e4m3fn, torch.uint8))
+    if not quantizing:
+        return [(name, tensor)]
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    scheme = module.quant_scheme
+    weight, scale = quantize_for_loading(tensor, scheme)
+    return [(name, weight), (f"{name}_scale" if leaf != "weight" else f"{module_name}.weight_scale", scale)]
+
+
+def finish_loading(model: nn.Module) -> None:
+    for module in model.modules():
+        finish = getattr(module, "finish_loading", None)
+        if finish is not None:
+            finish()
