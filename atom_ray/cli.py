@@ -1,5 +1,6 @@
 """The `atom-ray` command: `serve` runs the OpenAI-compatible server on Ray (a local one by default);
-`generate` streams one completion to the terminal without Ray."""
+`generate` streams one completion to the terminal without Ray; `kernels` prints which kernel runs each op
+for a model on this machine (no weights loaded)."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.set_defaults(handler=run_serve)
 
+    kernels = commands.add_parser("kernels", help="print the kernel table (op -> implementation, fallbacks with "
+                                  "their reasons) a model would run with on this machine")
+    kernels.add_argument("--model", default=DEFAULT_MODEL, help=f"HF folder, .gguf file or alias (default {DEFAULT_MODEL})")
+    add_engine_arguments(kernels)
+    kernels.set_defaults(handler=run_kernels)
+
     bundle = commands.add_parser("bundle", help="build an offline archive of Ray, Serve and atom-ray for a GPU "
                                  "host without network access")
     bundle.add_argument("--out", default="atom-ray-bundle.tar.xz")
@@ -71,6 +78,21 @@ def run_bundle(args: argparse.Namespace) -> int:
     out = build_bundle(Path(args.out), args.python_version, args.grpcio_version, args.extra, not args.without_project)
     print(f"{out} ({out.stat().st_size / 2**20:.1f} MiB). On the host: mkdir -p /opt/atom-ray && "
           f"tar -xJf {out.name} -C /opt/atom-ray && export PYTHONPATH=/opt/atom-ray:$PYTHONPATH")
+    return 0
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    from engine import EngineConfig, kernels
+    from engine.loader import resolve_model
+    from engine.runner.device import resolve_device, resolve_dtype
+    from engine.runner.model_runner import format_op_table, model_facts
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs_from_args(args))
+    source = resolve_model(config.model, config.load_format, config.hf_overrides)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, source.hf_config, device)
+    backend = kernels.registry.resolve(config.kernel_backend, device, model_facts(source.hf_config, config, dtype))
+    print(f"kernel backend {backend.name} on {device} for {args.model} ({dtype}):")
+    print(format_op_table(backend))
     return 0
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine import kernels
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.scheduler_output import LogprobsLists, RunnerOutput, SchedulerOutput
 from engine.forward_context import forward_context
 from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant
@@ -97,6 +97,11 @@ class ModelRunner:
         self.kernel_backend = kernels.activate(config.kernel_backend, device,
                                                model_facts(source.hf_config, config, self.dtype))
         self.attn_backend = self.kernel_backend.attention
+        if (config.fp8_kv_cache and self.attn_backend.name == "triton" and not torch.version.hip
+                and torch.cuda.get_device_capability(device) < (8, 9)):
+            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs FP8 support in the GPU "
+                              f"(compute capability 8.9 or newer; this one is "
+                              f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})")
         torch.manual_seed(config.seed)
         self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
         self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype,

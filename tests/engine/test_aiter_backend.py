@@ -127,7 +127,7 @@ def test_the_kernel_table_names_each_aiter_kernel_and_each_fallback(double):
     assert "torch fallback: pa_fwd_asm needs head size 128" in sources["attention"]
     assert sources["gemm_float32"].startswith("torch.ops.gemm_float32")
     served = registry.resolve("aiter", torch.device("cpu"), registry.ModelFacts(head_sizes=(128,), gqa_ratios=(8,)))
-    assert dict(served.table())["attention"].endswith("AiterAttentionBackend")
+    assert dict(served.table())["attention"].startswith("aiter.reshape_and_cache")
     window = registry.resolve("aiter", torch.device("cpu"),
                               registry.ModelFacts(head_sizes=(128,), gqa_ratios=(8,), sliding_window=True))
     assert "sliding window" in dict(window.table())["attention"]
@@ -141,3 +141,13 @@ def test_fp8_kv_cache_on_aiter_matches_the_torch_fp8_cache(double, trained_llama
     assert "reshape_and_cache_with_pertoken_quant" in aiter_double.CALLS
     matching = sum(a == b for x, y in zip(got, expected) for a, b in zip(x, y))
     assert matching >= 0.95 * sum(len(x) for x in expected), (got, expected)
+
+
+def test_atom_ray_kernels_prints_the_table_a_rocm_user_gets(double, trained_llama, capsys):
+    from atom_ray.cli import main
+    assert main(["kernels", "--model", str(trained_llama), "--kernel-backend", "aiter", "--device", "cpu",
+                 "--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]) == 0
+    printed = capsys.readouterr().out
+    assert "kernel backend aiter" in printed
+    assert "pa_fwd_asm" in printed and "aiter.fused_moe.fused_moe" in printed
+    assert "gemm_float32" in printed and "torch fallback" not in printed.split("attention")[-1]

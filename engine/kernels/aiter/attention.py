@@ -49,6 +49,8 @@ def gather_context(keys: torch.Tensor, values: torch.Tensor, scales: KVCacheQuan
 
 class AiterAttentionBackend(AttentionBackend):
     name = "aiter"
+    kernel = ("aiter.reshape_and_cache[_with_pertoken_quant] + aiter.pa_fwd_asm (decode) + "
+              "aiter.flash_attn_varlen_func (prefill)")
     supports_cuda_graphs = False  # prefills and cached-prefix gathers loop on the host
     kv_scale_granularities = ("token",)  # pa_fwd_asm reads per-token FP8 scales
 

@@ -2,15 +2,18 @@
 reduction, and for decode-only steps with a rotary embedding one fused launch that also rotates the query,
 writes the new key and value into the cache and reduces the splits.
 
-KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size], as in attention.py."""
+KV layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size], as in attention.py; an FP8 cache
+is read (and by the fused kernel written) through common.py."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.attention import KVCacheQuant
 from engine.kernels.triton import pdl, workspace
-from engine.kernels.triton.common import dot, paged_rows, rope_coefficients, rotated
+from engine.kernels.triton.common import (key_scores, kv_quant_args, paged_rows, rope_coefficients, rotated,
+                                          store_kv_rows, weighted_values)
 
 # Decode-only steps with a rotary embedding run as one kernel; off, they run the rotary cache write, the
 # split-K decode and its reduction as three (benchmarks/kernel_variants.py times both in one run).
@@ -19,32 +22,36 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, seq_len, num_kv_heads, kv_head,
-                  tile_begin, tile_end, dims, scale_log2,
+def _attend_tiles(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt, seq_len,
+                  num_kv_heads, kv_head, tile_begin, tile_end, dims, scale_log2,
                   G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+                  PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax (exp2) of a GQA group's queries over the context tiles [tile_begin, tile_end):
-    the unnormalised output, the running max and the running sum."""
+    the unnormalised output (dequantized), the running max and the running sum."""
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     offs = tl.arange(0, BLOCK_N)
+    if KV_QUANT == "tensor":  # the key scale joins the softmax scale, the value scale multiplies the sum
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     for tile in range(tile_begin, tile_end):
         tokens = tile * BLOCK_N + offs
         valid = tokens < seq_len
-        rows = paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head,
-                          HEAD_SIZE, PAGE_SIZE)[:, None]
+        rows = paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head, PAGE_SIZE)
+        offsets = (rows * HEAD_SIZE)[:, None]
         kv_mask = valid[:, None] & (dims < HEAD_SIZE)
-        k = tl.load(k_cache_ptr + rows + dims, mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k), UPCAST) * scale_log2
+        k = tl.load(k_cache_ptr + offsets + dims, mask=kv_mask, other=0.0)
+        s = key_scores(q, k, k_scale_ptr, rows, valid, scale_log2, KV_QUANT, UPCAST)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m - m_new)
-        v = tl.load(v_cache_ptr + rows + dims, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
+        v = tl.load(v_cache_ptr + offsets + dims, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + weighted_values(p, v, v_scale_ptr, rows, valid, q.dtype, KV_QUANT, UPCAST)
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
+    if KV_QUANT == "tensor":
+        acc = acc * tl.load(v_scale_ptr)
     return acc, m, l
 
 
@@ -58,12 +65,12 @@ def _tiles_per_split(num_tiles, num_splits, min_tiles_per_split):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                    seq_lens_ptr, block_table_ptr, num_kv_heads, min_tiles_per_split, num_splits,
                    sq_t, sq_h, so_t, so_h, stride_bt, scale_log2,
                    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                   KV_QUANT: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         pdl.enter()
     seq = tl.program_id(0).to(tl.int64)
@@ -82,9 +89,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_
     heads = kv_head * GROUP + g
     q_mask = (g < GROUP) & (dims < HEAD_SIZE)
     q = tl.load(q_ptr + seq * sq_t + heads * sq_h + dims, mask=q_mask, other=0.0)
-    acc, m, l = _attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, seq_len, num_kv_heads,
-                              kv_head, tile_begin, tile_end, dims, scale_log2,
-                              G_PAD, HEAD_SIZE, D_PAD, BLOCK_N, PAGE_SIZE, UPCAST)
+    acc, m, l = _attend_tiles(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt,
+                              seq_len, num_kv_heads, kv_head, tile_begin, tile_end, dims, scale_log2,
+                              G_PAD, HEAD_SIZE, D_PAD, BLOCK_N, PAGE_SIZE, KV_QUANT, UPCAST)
     if SINGLE_SPLIT:
         out = acc / l[:, None]
         tl.store(out_ptr + seq * so_t + heads * so_h + dims, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -155,14 +162,15 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, first_head, used, num_splits,
 
 
 @triton.jit
-def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr,
-                         table_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
-                         num_kv_heads, min_tiles_per_split, num_splits,
+def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                         out_ptr, slot_ptr, table_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_ml_ptr,
+                         counter_ptr, num_kv_heads, min_tiles_per_split, num_splits,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, stride_bt, stride_table, scale_log2,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
                          BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-                         SPLIT_CHUNK: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                         SPLIT_CHUNK: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """One decode step of one layer: rotary embedding, KV-cache write, split-K attention and the reduction
     of the splits, for grid (sequences, KV heads, splits)."""
     if USE_PDL:
@@ -190,20 +198,21 @@ def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cach
     slot = tl.load(slot_ptr + seq).to(tl.int64)  # negative: a padding row, nothing to store
     if (tile_end == num_tiles) & (slot >= 0):  # this split's last tile holds the new token
         row_mask = dims < HEAD_SIZE
-        dest = (slot * num_kv_heads + kv_head) * HEAD_SIZE + dims
+        row = slot * num_kv_heads + kv_head + tl.zeros([1, 1], tl.int64)
         k = rotated(key_ptr + seq * sk_t + kv_head * sk_h, dims, partner, rotating, row_mask, cos, sin)
-        tl.store(k_cache_ptr + dest, k.to(key_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=row_mask)
+        store_kv_rows(k_cache_ptr, k_scale_ptr, row, dims, k.to(key_ptr.dtype.element_ty), row >= 0, HEAD_SIZE,
+                      KV_QUANT)
         v = tl.load(value_ptr + seq * sv_t + kv_head * sv_h + dims, mask=row_mask)
-        tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=row_mask)
-        # The last tile reads this row back through the cache, by other threads than those that stored it: a
-        # CTA barrier makes the block's global stores visible to all its threads. Substituting the registers
-        # instead would cost a select on every K and V tile of every program (which tile is last is not known
-        # at compile time); the barrier costs one program per sequence and KV head a single bar.sync.
+        store_kv_rows(v_cache_ptr, v_scale_ptr, row, dims, v, row >= 0, HEAD_SIZE, KV_QUANT)
+        # The last tile reads this row (and its scales) back through the cache, by other threads than those
+        # that stored it: a CTA barrier makes the block's global stores visible to all its threads. Substituting
+        # the registers instead would cost a select on every K and V tile of every program (which tile is last is
+        # not known at compile time); the barrier costs one program per sequence and KV head a single bar.sync.
         tl.debug_barrier()
 
-    acc, m, l = _attend_tiles(q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, seq_len, num_kv_heads,
-                              kv_head, tile_begin, tile_end, dims, scale_log2,
-                              G_PAD, HEAD_SIZE, D_PAD, BLOCK_N, PAGE_SIZE, UPCAST)
+    acc, m, l = _attend_tiles(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt,
+                              seq_len, num_kv_heads, kv_head, tile_begin, tile_end, dims, scale_log2,
+                              G_PAD, HEAD_SIZE, D_PAD, BLOCK_N, PAGE_SIZE, KV_QUANT, UPCAST)
     out_rows = out_ptr + seq * so_t + heads * so_h + dims
     if SINGLE_SPLIT:
         tl.store(out_rows, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -260,7 +269,7 @@ def _partials(num_decodes: int, num_heads: int, num_splits: int, head_size: int,
 
 
 def decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size, d_pad, block_n, num_warps,
-           scale_log2, block_size, upcast, num_stages=2):
+           scale_log2, block_size, upcast, kv_quant: KVCacheQuant | None = None, num_stages=2):
     """Split-K decode of the cached context (this step's keys and values already written), then the
     reduction of the splits as a second kernel."""
     num_decodes = metadata.num_decodes
@@ -271,13 +280,14 @@ def decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_siz
         part_acc = part_ml = out  # unused
     else:
         part_acc, part_ml = _partials(num_decodes, num_heads, num_splits, head_size, query.device)
+    quant, k_scale, v_scale = kv_quant_args(kv_quant, k_cache)
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, out, part_acc, part_ml, metadata.seq_lens, metadata.block_table,
+        query, k_cache, v_cache, k_scale, v_scale, out, part_acc, part_ml, metadata.seq_lens, metadata.block_table,
         num_kv_heads, min_tiles, num_splits, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         metadata.block_table.stride(0), scale_log2,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size, D_PAD=d_pad,
-        BLOCK_N=block_n, PAGE_SIZE=block_size, SINGLE_SPLIT=single, UPCAST=upcast, num_warps=num_warps,
-        num_stages=num_stages, **pdl.launch_options(query))
+        BLOCK_N=block_n, PAGE_SIZE=block_size, SINGLE_SPLIT=single, KV_QUANT=quant, UPCAST=upcast,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query))
     if not single:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_acc, part_ml, out, metadata.seq_lens, num_heads, min_tiles, num_splits,
@@ -287,7 +297,7 @@ def decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_siz
 
 
 def fused_decode(query, key, value, k_cache, v_cache, out, metadata, rope, group, head_size, d_pad, block_n,
-                 num_warps, scale_log2, block_size, upcast, num_stages=2):
+                 num_warps, scale_log2, block_size, upcast, kv_quant: KVCacheQuant | None = None, num_stages=2):
     """A decode-only step in one launch: queries rotated in registers (the query tensor is left as it is),
     rotated keys and values written to the cache at `slot_mapping`, split-K attention and its reduction."""
     positions, table, is_neox = rope
@@ -305,13 +315,14 @@ def fused_decode(query, key, value, k_cache, v_cache, out, metadata, rope, group
         counters = workspace.arrival_counters(query.device, num_decodes * num_kv_heads)
     # The last split combines chunks of splits at about the registers of one decode tile.
     split_chunk = max(1, min(triton.next_power_of_2(num_splits), 4096 // (group_pad * d_pad)))
+    quant, k_scale, v_scale = kv_quant_args(kv_quant, k_cache)
     _fused_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-        positions.contiguous(), query, key, value, k_cache, v_cache, out, metadata.slot_mapping, table,
-        metadata.seq_lens, metadata.block_table, part_acc, part_ml, counters,
+        positions.contiguous(), query, key, value, k_cache, v_cache, k_scale, v_scale, out, metadata.slot_mapping,
+        table, metadata.seq_lens, metadata.block_table, part_acc, part_ml, counters,
         num_kv_heads, min_tiles, num_splits, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
         table.stride(0), scale_log2,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), GROUP_PAD=group_pad, HEAD_SIZE=head_size,
         D_PAD=d_pad, HALF=rotary_dim // 2, IS_NEOX=is_neox, BLOCK_N=block_n, PAGE_SIZE=block_size,
-        SINGLE_SPLIT=single, SPLIT_CHUNK=split_chunk, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_options(query))
+        SINGLE_SPLIT=single, SPLIT_CHUNK=split_chunk, KV_QUANT=quant, UPCAST=upcast, num_warps=num_warps,
+        num_stages=num_stages, **pdl.launch_options(query))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from triton_device import DEVICE, ON_GPU  # noqa: E402  (skips the module without Triton)
+from attention_inputs import cos_sin_table, make_batch, qkv_views, randn  # noqa: E402
 
 from engine.kernels.attention import CommonAttentionMetadata  # noqa: E402
 from engine.kernels.registry import OPS  # noqa: E402
@@ -41,10 +42,6 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, dtype: t
     limit = 1e-5 if dtype == torch.float32 else 3e-2
     error = float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
     assert error < limit, error
-
-
-def randn(*shape, dtype=torch.float32):
-    return torch.randn(*shape, device=DEVICE).to(dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -137,12 +134,6 @@ def test_rms_norm_of_strided_head_view(dtype):
 def test_silu_and_mul_matches_reference(dtype):
     x = randn(2, 13, 2 * (2816 if ON_GPU else 96), dtype=dtype)
     assert_matches(ops.silu_and_mul(x), reference.silu_and_mul(x), dtype)
-
-
-def cos_sin_table(max_position: int, rotary_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -315,42 +306,6 @@ def test_gemm_op_takes_the_blas_for_large_batches_and_fp32():
 
 
 # ---- attention ----------------------------------------------------------------------------------------
-
-def make_batch(seqs: list[tuple[int, int]], block_size: int, num_blocks: int) -> CommonAttentionMetadata:
-    """seqs: (cached tokens, new tokens) per sequence, decodes (one new token) first. Blocks are
-    scattered at random over the cache, as the block manager would leave them after a while."""
-    free = torch.randperm(num_blocks).tolist()
-    starts, seq_lens, computed, tables, slots = [0], [], [], [], []
-    for cached, new in seqs:
-        total = cached + new
-        blocks = [free.pop() for _ in range(-(-total // block_size))]
-        tables.append(blocks)
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(cached, total))
-        starts.append(starts[-1] + new)
-        seq_lens.append(total)
-        computed.append(cached)
-    table = torch.zeros(len(seqs), max(len(b) for b in tables), dtype=torch.int32)
-    for row, blocks in enumerate(tables):
-        table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    num_decodes = sum(1 for _, new in seqs if new == 1)
-    assert all(new == 1 for _, new in seqs[:num_decodes])
-    return CommonAttentionMetadata(
-        num_seqs=len(seqs), num_decodes=num_decodes, num_tokens=starts[-1],
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_table=table.to(DEVICE), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        max_query_len=max(new for _, new in seqs), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, num_computed_tokens_cpu=computed)
-
-
-def qkv_views(num_tokens, num_heads, num_kv_heads, head_size, dtype):
-    """query/key/value as the model hands them over: strided views of one fused projection output."""
-    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
-    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype)
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    return (q.reshape(-1, num_heads, head_size), k.reshape(-1, num_kv_heads, head_size),
-            v.reshape(-1, num_kv_heads, head_size))
-
 
 def check_attention(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, rope=None, **plan_overrides):
     """rope: (rotary_dim, is_neox) to hand the layer's rotation to the backend (fused with the cache write)."""
