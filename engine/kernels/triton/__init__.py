@@ -3,13 +3,14 @@ mixture-of-experts router and expert GEMMs as Triton kernels for any CUDA or ROC
 
 `gemm` runs a Triton skinny GEMM for decode-sized batches (up to 16 rows, bf16/fp16), where it measured
 faster than cuBLAS, and the vendor BLAS (cuBLAS / hipBLASLt through torch) for everything larger; at those
-sizes `gated_gemm` applies the MLP's SiLU-and-mul in the GEMM's epilogue."""
+sizes `gated_gemm` applies the MLP's SiLU-and-mul in the GEMM's epilogue. Quantized weights (FP8, MXFP4) have
+their own GEMMs and experts (quant.py, moe_quant.py), weight-only skinny kernels for decode included."""
 from __future__ import annotations
 
 import torch
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.triton import gemv, moe, ops
+from engine.kernels.triton import gemv, moe, moe_quant, ops, quant
 from engine.kernels.triton.attention import TritonAttentionBackend
 from engine.kernels.triton.sampling import sample
 
@@ -27,6 +28,12 @@ BACKEND = KernelBackend(
         "moe_topk_softmax": moe.moe_topk_softmax,
         "moe_grouped_topk": moe.moe_grouped_topk,  # the torch reference (see moe.py)
         "fused_experts": moe.fused_experts,
+        "gemm_fp8_tensor": quant.gemm_quantized,
+        "gemm_fp8_channel": quant.gemm_quantized,
+        "gemm_fp8_block": quant.gemm_quantized,
+        "gemm_mxfp4": quant.gemm_quantized,
+        "fused_experts_fp8": moe_quant.fused_experts_quantized,
+        "fused_experts_mxfp4": moe_quant.fused_experts_quantized,
     },
     attention=TritonAttentionBackend,
 )

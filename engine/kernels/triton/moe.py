@@ -199,7 +199,7 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 
 @triton.jit
-def _block_rows(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
+def block_rows(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
     pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     return pairs, pairs < num_pairs
 
@@ -218,7 +218,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return  # pairs with no local expert, or a block past the used ones
-    pairs, valid = _block_rows(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
+    pairs, valid = block_rows(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
     tokens = tl.where(valid, pairs // top_k, 0).to(tl.int64)
     features = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_mask = features < inter
@@ -235,7 +235,13 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
         w_mask = k_mask[:, None] & feature_mask[None, :]
         gate += dot(a, tl.load(gate_cols + k, mask=w_mask, other=0.0), UPCAST)
         up += dot(a, tl.load(up_cols + k, mask=w_mask, other=0.0), UPCAST)
-    # Rounded as the reference's separate GEMM, SiLU and product round: gate and up, silu, then the product.
+    store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter)
+
+
+@triton.jit
+def store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter):
+    """act[pair, feature] = silu(gate) * up, rounded as the reference's separate GEMM, SiLU and product
+    round: gate and up, silu, then the product."""
     out_dtype = act_ptr.dtype.element_ty
     gate = gate.to(out_dtype).to(tl.float32)
     up = up.to(out_dtype).to(tl.float32)
@@ -258,7 +264,7 @@ def _down_kernel(act_ptr, w2_ptr, expert_out_ptr, sorted_pairs_ptr, block_expert
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return  # the combine reads nothing of pairs with no local expert
-    pairs, valid = _block_rows(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
+    pairs, valid = block_rows(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
     features = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_mask = features < hidden
     ks = tl.arange(0, BLOCK_K)
@@ -344,9 +350,13 @@ def _fused_experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     _down_kernel[(num_blocks * n_blocks,)](
         act, w2, expert_out, sorted_pairs, block_expert, num_pairs, hidden, inter, w2.stride(0), w2.stride(1),
         n_blocks, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, **launch)
-    flat_weights = weights.reshape(-1).float()
-    flat_ids = ids.reshape(-1)
+    combine(expert_out, weights, ids, out)
+
+
+def combine(expert_out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t] = the weighted sum of token t's expert outputs expert_out[t * top_k + j] (see _combine_kernel)."""
+    num_tokens, hidden = out.shape
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        expert_out, flat_weights.contiguous(), flat_ids.contiguous(), out, hidden, out.stride(0), TOP_K=top_k,
-        BLOCK_H=block_h, num_warps=4, **pdl_options)
+        expert_out, weights.reshape(-1).float().contiguous(), ids.reshape(-1).contiguous(), out, hidden,
+        out.stride(0), TOP_K=ids.shape[1], BLOCK_H=block_h, num_warps=4, **pdl.launch_options(out))
