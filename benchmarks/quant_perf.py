@@ -91,7 +91,7 @@ def kv_cache(args) -> dict:
     prompts = random_prompts(config.vocab_size, lens, 1)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
     results, rows = {}, []
-    for kv in ("auto", "fp8"):
+    for kv in args.kv_cache_dtypes:  # one per process: a freed engine's memory is not all back at once
         llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
                   max_num_batched_tokens=8192, show_progress=False, kv_cache_dtype=kv,
                   gpu_memory_utilization=args.gpu_memory_utilization)
@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=SCHEMES)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-dtypes", nargs="*", default=["auto", "fp8"], choices=["auto", "fp8"],
+                        help="kv-cache: which caches to run (one per process gives each the same free memory)")
     parser.add_argument("--num-requests", type=int, default=None, help="throughput: only the first N requests")
     args = parser.parse_args()
     args.model = args.model or ("benchmarks/configs/qwen3-30b-a3b" if args.mode == "throughput"

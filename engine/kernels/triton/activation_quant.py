@@ -83,7 +83,7 @@ def _quantize_mxfp4_kernel(x_ptr, q_ptr, s_ptr, num_groups, stride_xm, stride_qm
                 other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     # floor(log2(amax)) from the exponent field (a subnormal or zero amax gives -127, as the reference's clamp)
-    exponent = tl.clamp(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129, -127, 127)
+    exponent = tl.minimum(tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129, -127), 127)
     exponent = tl.where(amax > 0, exponent, -127)
     scaled = tl.abs(x) * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]  # x / 2^exponent
     # nearest of 0, .5, 1, 1.5, 2, 3, 4, 6; at a midpoint the even code (strict > where the lower code is even)
