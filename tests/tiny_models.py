@@ -138,6 +138,12 @@ QUANT_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=
                     intermediate_size=384, initializer_range=0.05)
 
 
+# QUANT_SHAPES with AITER's attention shape: pa_fwd_asm serves head size 128 only (GQA 2 here), so aiter-backend
+# tests and benchmarks/validate_rocm.py keep attention on AITER with these.
+AITER_SHAPES = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                    intermediate_size=384)
+
+
 _TRAINED: dict[tuple, Path] = {}
 
 

@@ -64,7 +64,9 @@ def quantize_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 def per_token_fp8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., D] -> [...] float32: the dynamic per-token (and head) scale KVCacheQuant describes."""
-    return (x.float().abs().amax(dim=-1) / fp8_max(dtype)).clamp(min=FP8_KV_MIN_SCALE)
+    amax = x.float().abs().amax(dim=-1)
+    # A tensor divisor: CUDA torch multiplies by the reciprocal of a Python number (an ulp off at times).
+    return (amax / torch.full((), fp8_max(dtype), device=x.device)).clamp(min=FP8_KV_MIN_SCALE)
 
 
 def apply_rope(query: torch.Tensor, key: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:

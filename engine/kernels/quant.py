@@ -100,6 +100,12 @@ def fp8_max(dtype: torch.dtype = FP8_DTYPE) -> float:
     return float(torch.finfo(dtype).max)
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor, correctly rounded on every device (CUDA torch multiplies by the reciprocal when the
+    divisor is a Python number, which is off by an ulp at times: kernels divide, so the reference must)."""
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 def expand_block_scale(scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> torch.Tensor:
     """[..., ceil(n/bn), ceil(k/bk)] -> [..., n, k]."""
     return scale.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
@@ -142,11 +148,11 @@ def fake_quantize_fp8(x: torch.Tensor, group: int | None, dtype: torch.dtype = F
         return (xf / static_scale).clamp(-limit, limit).to(dtype).float() * static_scale
     m, k = xf.shape
     if group is None:
-        scale = (xf.abs().amax() / limit).clamp(min=1e-12)
+        scale = divide(xf.abs().amax(), limit).clamp(min=1e-12)
         return (xf / scale).clamp(-limit, limit).to(dtype).float() * scale
     padded = -(-k // group) * group
     grouped = torch.nn.functional.pad(xf, (0, padded - k)).view(m, padded // group, group)
-    scale = (grouped.abs().amax(dim=-1, keepdim=True) / limit).clamp(min=1e-12)
+    scale = divide(grouped.abs().amax(dim=-1, keepdim=True), limit).clamp(min=1e-12)
     out = (grouped / scale).clamp(-limit, limit).to(dtype).float() * scale
     return out.view(m, padded)[:, :k]
 
@@ -200,18 +206,18 @@ def quantize_weight(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeigh
         packed, scale = quantize_e2m1(w)
         return QuantizedWeight(scheme, packed, scale)
     if scheme.method == "fp8_tensor":
-        scale = (w.abs().flatten(-2).amax(dim=-1) / limit).clamp(min=1e-12)
+        scale = divide(w.abs().flatten(-2).amax(dim=-1), limit).clamp(min=1e-12)
         shaped = scale[..., None, None]
         return QuantizedWeight(scheme, (w / shaped).clamp(-limit, limit).to(FP8_DTYPE), scale.reshape(-1))
     if scheme.method == "fp8_channel":
-        scale = (w.abs().amax(dim=-1) / limit).clamp(min=1e-12)
+        scale = divide(w.abs().amax(dim=-1), limit).clamp(min=1e-12)
         return QuantizedWeight(scheme, (w / scale[..., None]).clamp(-limit, limit).to(FP8_DTYPE), scale)
     bn, bk = scheme.block
     *lead, n, k = w.shape
     pn, pk = -(-n // bn) * bn, -(-k // bk) * bk
     padded = torch.nn.functional.pad(w, (0, pk - k, 0, pn - n))
     blocks = padded.view(*lead, pn // bn, bn, pk // bk, bk)
-    scale = (blocks.abs().amax(dim=(-3, -1)) / limit).clamp(min=1e-12)  # [..., N/bn, K/bk]
+    scale = divide(blocks.abs().amax(dim=(-3, -1)), limit).clamp(min=1e-12)  # [..., N/bn, K/bk]
     q = (w / expand_block_scale(scale, n, k, scheme.block)).clamp(-limit, limit).to(FP8_DTYPE)
     return QuantizedWeight(scheme, q, scale)
 

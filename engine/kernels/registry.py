@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from engine.kernels.quant import QuantScheme
+
 logger = logging.getLogger(__name__)
 
 # Every operation a layer may call through `engine.kernels.ops`.
@@ -71,6 +73,10 @@ class ModelFacts:
     dtype: torch.dtype = torch.bfloat16
     fp8_kv_cache: bool = False
     kv_cache_scales: str = "auto"
+    # The schemes most linear layers and most routed experts are quantized with (None: unquantized), so a
+    # backend declines a quantized op at start-up, in the kernel table, rather than layer by layer.
+    linear_quant: QuantScheme | None = None
+    experts_quant: QuantScheme | None = None
 
 
 @dataclass

@@ -30,7 +30,7 @@ from engine.layers.linear import ReplicatedLinear, shard_range
 from engine.layers.quantization import (aligned_narrow, building_experts_scheme, new_param,
                                         requantize_to_max_scale, unit_size)
 from engine.parallel import get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce
-from engine.parallel.all_to_all import make_all_to_all
+from engine.parallel.all_to_all import ExchangeLayout, make_all_to_all
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class FusedMoE(nn.Module):
             param = getattr(self, name)
             if param is not None:
                 param.weight_loader = self.expert_weight_loader
-                param.check_loaded = (lambda p, shards: None) if "input" in name else self._missing_experts
+                param.check_loaded = self._missing_input_scales if "input" in name else self._missing_experts
 
     EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
                              r"(weight|weight_scale|weight_scale_inv|input_scale)$")
@@ -282,6 +282,12 @@ class FusedMoE(nn.Module):
         sliced = aligned_narrow(loaded, 0, self.i_start, local_units, units, what)
         param.data[e, offset:offset + local_units].copy_(sliced)
 
+    @staticmethod
+    def _missing_input_scales(param: nn.Parameter, shards: set) -> str | None:
+        """Static activations take the largest expert's input scale: any expert may lack one, not all (the
+        scale would stay 0 and every output NaN)."""
+        return None if shards else "no routed expert has an input_scale, which static activations need"
+
     def _missing_experts(self, param: nn.Parameter, shards: set) -> str | None:
         """What the checkpoint did not provide for `param`, or None."""
         if ("fused",) in shards:
@@ -345,7 +351,7 @@ class FusedMoE(nn.Module):
         return weights, ids
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        exchange = self._exchange()
+        exchange = self._exchange(x.dtype)
         num_tokens = x.shape[0]
         x_part = x
         if self.tp_size > 1:  # the TP ranks hold the same tokens: each routes and sends a slice, then all gather
@@ -353,7 +359,10 @@ class FusedMoE(nn.Module):
             start = min(self.tp_rank * per_rank, num_tokens)
             x_part = x[start:min(start + per_rank, num_tokens)]
         sent = exchange.dispatch(x_part, *self._route(x_part))
-        expert_out = self._experts(sent.hidden, sent.weights[:, None], sent.local_ids[:, None])
+        weights, ids = sent.weights, sent.local_ids
+        if ids.dim() == 1:  # a row per (token, expert) pair; MORI's rows carry a token's k slots
+            weights, ids = weights[:, None], ids[:, None]
+        expert_out = self._experts(sent.hidden, weights, ids)
         out = exchange.combine(expert_out, sent.handle)
         if self.tp_size > 1:
             padded = torch.zeros(per_rank, out.shape[1], dtype=out.dtype, device=out.device)
@@ -361,7 +370,7 @@ class FusedMoE(nn.Module):
             out = tensor_parallel_all_gather(padded, dim=0)[:num_tokens]
         return out
 
-    def _exchange(self):
+    def _exchange(self, dtype: torch.dtype):
         if self._all_to_all is None:
             state = get_parallel_state()
             device = self.w13.device
@@ -371,8 +380,11 @@ class FusedMoE(nn.Module):
                 start, count = shard_range(self.num_experts, self.ep_size, rank)
                 owner[start:start + count] = rank
                 local_index[start:start + count] = torch.arange(count)
+            layout = ExchangeLayout(self.num_experts, self.hidden_size, self.router.top_k,
+                                    -(-state.max_num_batched_tokens // self.tp_size), dtype)
             self._all_to_all = make_all_to_all(state.ep_group, owner.to(device), local_index.to(device),
-                                               host_collectives=state.host_collectives or device.type == "cpu")
+                                               host_collectives=state.host_collectives or device.type == "cpu",
+                                               layout=layout)
         return self._all_to_all
 
 

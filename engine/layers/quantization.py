@@ -129,10 +129,11 @@ def describe_scheme(scheme: QuantScheme | None) -> str:
     return f"{scheme.method}{extra} (activations {scheme.activation})"
 
 
-def log_plan(model: nn.Module) -> None:
-    """One line per scheme: how many layers use it (the plan at a glance in the start-up log)."""
+def log_plan(model: nn.Module, plan: QuantPlan) -> None:
+    """The plan's description, then one line per scheme: how many layers use it (the start-up log)."""
     from engine.layers.fused_moe import FusedMoE
     from engine.layers.linear import LinearBase
+    logger.info("%s", plan.description)
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, (LinearBase, FusedMoE)):

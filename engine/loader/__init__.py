@@ -51,7 +51,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
         load_weights(model, safetensors.iter_weights(files), safetensors.count_tensors(files), show_progress, plan)
     finish_loading(model)
     if plan is not None:
-        log_plan(model)
+        log_plan(model, plan)
     return model
 
 

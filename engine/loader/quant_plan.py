@@ -29,16 +29,14 @@ def resolve_quant_plan(hf_config, requested: str | None, load_format: str = "saf
         if requested is not None:
             raise ModelSourceError(f"the checkpoint is already quantized ({parsed.describe()}); "
                                    f"drop quantization={requested!r}")
-        plan = QuantPlan(parsed.linear_scheme, parsed.experts_scheme, online=load_format == "dummy",
-                         description=parsed.describe(), kv_cache_scales=parsed.kv_cache_scales)
-        logger.info("quantized checkpoint: %s", plan.description)
-        return plan
+        return QuantPlan(parsed.linear_scheme, parsed.experts_scheme, online=load_format == "dummy",
+                         description=f"quantized checkpoint: {parsed.describe()}",
+                         kv_cache_scales=parsed.kv_cache_scales)
     if requested is None:
         return None
     if requested not in ONLINE_METHODS:
         raise ModelSourceError(f"quantization={requested!r} is not supported; choose one of {sorted(ONLINE_METHODS)}")
-    logger.info("quantizing the checkpoint's weights as they load: %s", requested)
-    return QuantPlan.uniform(ONLINE_METHODS[requested], f"{requested} (online)")
+    return QuantPlan.uniform(ONLINE_METHODS[requested], f"quantizing the weights as they load: {requested}")
 
 
 def _checkpoint_names(model: nn.Module, name: str) -> list[str]:
@@ -97,7 +95,8 @@ def checkpoint_param_name(name: str, params: dict) -> str | None:
 def online_quantized(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor, params: dict,
                      plan: QuantPlan | None):
     """(parameter name, tensor) pairs to load for one checkpoint tensor: itself, or, when `plan` quantizes
-    online and the tensor is a full-precision weight of a quantized layer, its quantized values and scale."""
+    online and the tensor is a full-precision weight of a quantized layer, its quantized values and scale (and
+    an input scale of 1 where the scheme's activations are static: random weights have no calibration)."""
     quantizing = (plan is not None and plan.online and tensor.is_floating_point()
                   and param.dtype in (torch.float8_e4m3fn, torch.uint8))
     if not quantizing:
@@ -106,7 +105,14 @@ def online_quantized(model: nn.Module, name: str, param: nn.Parameter, tensor: t
     module = model.get_submodule(module_name)
     scheme = module.quant_scheme
     weight, scale = quantize_for_loading(tensor, scheme)
-    return [(name, weight), (f"{name}_scale" if leaf != "weight" else f"{module_name}.weight_scale", scale)]
+    if leaf == "weight":  # a layer's weight_scale and input_scale sit beside its weight
+        scale_name, input_name = f"{module_name}.weight_scale", f"{module_name}.input_scale"
+    else:  # experts: w13_scale, w13_input_scale
+        scale_name, input_name = f"{name}_scale", f"{name}_input_scale"
+    pairs = [(name, weight), (scale_name, scale)]
+    if scheme.activation == "static":  # a dummy load of a static-FP8 config: no calibration, inputs up to fp8 max
+        pairs.append((input_name, torch.ones(())))
+    return pairs
 
 
 def finish_loading(model: nn.Module) -> None:

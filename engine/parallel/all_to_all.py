@@ -1,32 +1,48 @@
 """Expert-parallel token exchange: each rank sends every (token, expert) pair to the rank that holds the
 expert, the experts run there, and the results come back to the token's rank to be summed.
 
-`ExpertAllToAll` is the interface a MoE layer calls; `TorchAllToAll` implements it with
-`torch.distributed.all_to_all_single` over the EP group (NCCL on GPUs, gloo on CPU). MORI's dispatch and
-combine (ROCm; ../shared/reference/aiter_api.md) plug in here as another implementation chosen by
-`make_all_to_all`: its dispatch takes the same (hidden states, top-k weights, top-k ids) and returns the
-tokens each local expert must process, and its combine sums the weighted expert outputs back into each
-token's row, which is exactly the `dispatch`/`combine` pair below.
-
-Split sizes are data-dependent (they travel first, and reach the host), so a step with expert parallelism
-is not CUDA-graph capturable; the runner runs such models eagerly.
+`ExpertAllToAll` is the interface a MoE layer calls; `make_all_to_all` picks the implementation:
+- `TorchAllToAll`: `torch.distributed.all_to_all_single` over the EP group (NCCL on GPUs, gloo on CPU), one
+  row per (token, expert) pair. Split sizes are data-dependent (they travel first, and reach the host), so a
+  step with expert parallelism is not CUDA-graph capturable; the runner runs such models eagerly.
+- `MoriAllToAll` (engine/parallel/mori_all_to_all.py): AMD's MORI dispatch/combine kernels, one row per
+  (token, destination rank) with the token's top-k ids, on the GPUs of one ROCm node; chosen with the
+  `aiter` kernel backend where MORI is installed and the layer's layout fits it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from engine import kernels
+
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class Dispatched:
-    """What one rank received: rows of hidden states, each with the local index of the expert it is for and
-    its routing weight; `handle` is what `combine` needs to send the results back."""
+    """What one rank received: rows of hidden states, each with the local indices of the experts it is for
+    and their routing weights; `handle` is what `combine` needs to send the results back. A row carries one
+    expert ([R], TorchAllToAll) or a token's k slots ([R, k], MoriAllToAll), where -1 (weight 0) marks a slot
+    for another rank's expert or a row past what was received."""
     hidden: torch.Tensor        # [R, H]
-    local_ids: torch.Tensor     # [R] int32, index into this rank's experts
-    weights: torch.Tensor       # [R] float32
+    local_ids: torch.Tensor     # [R] or [R, k] int32, index into this rank's experts, -1 = none
+    weights: torch.Tensor       # [R] or [R, k] float32
     handle: tuple
+
+
+@dataclass(frozen=True)
+class ExchangeLayout:
+    """What an exchange may size its buffers by: the MoE layer's shape and the most tokens one rank sends in
+    a step (0: unknown)."""
+    num_experts: int
+    hidden_size: int
+    top_k: int
+    max_tokens_per_rank: int
+    dtype: torch.dtype          # of the hidden states sent
 
 
 class ExpertAllToAll:
@@ -84,9 +100,27 @@ class TorchAllToAll(ExpertAllToAll):
 
 
 def make_all_to_all(group, owner: torch.Tensor, local_index: torch.Tensor, host_collectives: bool,
-                    backend: str = "torch") -> ExpertAllToAll:
-    """The EP exchange for a MoE layer. On ROCm with MORI installed, the `aiter` kernel backend passes
-    backend='mori' (its adapter lives with that backend); everything else uses torch.distributed."""
+                    backend: str = "auto", layout: ExchangeLayout | None = None) -> ExpertAllToAll:
+    """The EP exchange for a MoE layer. backend "auto" takes MORI when the `aiter` kernel backend is active,
+    `import mori` works and `layout` fits MORI's kernels (engine/parallel/mori_all_to_all.py says what
+    fits), "mori" takes it wherever it fits; otherwise, and for "torch", torch.distributed. Why MORI was not
+    taken is logged once per reason."""
+    if backend not in ("auto", "torch", "mori"):
+        raise ValueError(f"expert all-to-all backend {backend!r} is unknown; use 'auto', 'torch' or 'mori'")
     if backend != "torch":
-        raise ValueError(f"expert all-to-all backend {backend!r} is not available here (only 'torch')")
+        if backend == "mori" or kernels.active_backend().name == "aiter":
+            from engine.parallel import mori_all_to_all
+            problem = mori_all_to_all.unsuitable(group, layout, host_collectives)
+            if problem is None:
+                return mori_all_to_all.MoriAllToAll(group, layout)
+            _log_once(f"expert all-to-all: MORI not used, torch.distributed instead: {problem}")
     return TorchAllToAll(group, owner, local_index, host_collectives)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)

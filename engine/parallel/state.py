@@ -40,6 +40,7 @@ class ParallelState:
     ep_size: int = 1
     ep_group: object | None = None  # the device group of all EP ranks (None: no expert parallelism)
     dp_leaders_group: object | None = None  # gloo group of every DP rank's TP rank 0 (the lockstep vote)
+    max_num_batched_tokens: int = 0  # the most tokens of a step (EP exchanges size buffers by it; 0: unknown)
 
     @property
     def expert_parallel(self) -> bool:
@@ -55,7 +56,7 @@ def get_parallel_state() -> ParallelState:
 
 def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device,
                   timeout_s: float = 600.0, reduce_in_fp32: bool = True, dp_rank: int = 0, dp_size: int = 1,
-                  expert_parallel: bool = False) -> ParallelState:
+                  expert_parallel: bool = False, max_num_batched_tokens: int = 0) -> ParallelState:
     """Join the groups of this rank rendezvousing at `init_method` (e.g. tcp://127.0.0.1:29500): the
     tensor-parallel group of `tp_size` ranks and, with `expert_parallel`, the EP group of all
     dp_size x tp_size ranks (this rank is number dp_rank * tp_size + tp_rank of it). `reduce_in_fp32`: see
@@ -88,7 +89,8 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
                 tp_group, tp_cpu_group = device_group, cpu_group
     leaders = dist.new_group([dp * tp_size for dp in range(dp_size)], backend="gloo") if expert_parallel else None
     extra = dict(dp_rank=dp_rank, dp_size=dp_size, ep_rank=rank if expert_parallel else 0,
-                 ep_size=world_size if expert_parallel else 1, dp_leaders_group=leaders)
+                 ep_size=world_size if expert_parallel else 1, dp_leaders_group=leaders,
+                 max_num_batched_tokens=max_num_batched_tokens)
     if backend == "nccl":
         devices: list = [None] * world_size
         dist.all_gather_object(devices, device_identity(device), group=world_cpu_group)

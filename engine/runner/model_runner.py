@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.ModelFacts:
     """What the kernel backends decide their ops on (engine.kernels.registry.ModelFacts)."""
+    from engine.loader.quant_plan import resolve_quant_plan
+    plan = resolve_quant_plan(hf_config, config.quantization)
     text = getattr(hf_config, "text_config", None) or hf_config
     heads = getattr(text, "num_attention_heads", 1) or 1
     head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -40,7 +42,9 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
     uses_window = bool(window) and getattr(text, "use_sliding_window", True) is not False
     return kernels.ModelFacts(head_sizes=(int(head_size),), gqa_ratios=(heads // max(kv_heads, 1),),
                               sliding_window=uses_window, block_size=config.block_size, dtype=dtype,
-                              fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales)
+                              fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales,
+                              linear_quant=plan.default_linear if plan else None,
+                              experts_quant=plan.default_experts if plan else None)
 
 
 def format_op_table(backend: kernels.KernelBackend) -> str:

@@ -79,7 +79,8 @@ class Worker:
                       reduce_in_fp32=config.tp_reduce_dtype == "float32"
                       or (config.tp_reduce_dtype == "auto" and self.device.type == "cuda"),
                       dp_rank=dp_rank, dp_size=config.data_parallel_size,
-                      expert_parallel=config.enable_expert_parallel)
+                      expert_parallel=config.enable_expert_parallel,
+                      max_num_batched_tokens=config.max_num_batched_tokens or 0)
         source = resolve_model(config.model, config.load_format, config.hf_overrides)
         self.runner = ModelRunner(config, source, self.device, max_model_len, eos_token_ids,
                                   show_progress=rank == 0)

@@ -2,8 +2,9 @@
 
 `with activate("gfx942") as aiter:` makes `import aiter` return the double (tests/aiter_double/fake)
 emulating that GPU; CALLS counts the public aiter functions called meanwhile, by name ("fused_moe",
-"pa_fwd_asm", "tgemm.mm", ...). tests/engine/test_aiter_api_drift.py keeps its signatures equal to
-the real package's; tests/engine/test_aiter_double.py checks its layouts.
+"pa_fwd_asm", "tgemm.mm", ...); `with serving("gfx950"):` also lets kernel_backend="aiter" run on this
+machine. tests/engine/test_aiter_api_drift.py keeps its signatures equal to the real package's;
+tests/engine/test_aiter_double.py checks its layouts.
 """
 from __future__ import annotations
 
@@ -52,3 +53,20 @@ def activate(arch: str = "gfx950"):
             os.environ.pop("GPU_ARCHS", None)
         else:
             os.environ["GPU_ARCHS"] = saved_arch
+
+
+@contextlib.contextmanager
+def serving(arch: str = "gfx950"):
+    """`activate(arch)`, with the engine's aiter backend allowed on this machine (its `available` check
+    passes): kernel_backend="aiter" then runs on the double as on a ROCm host with AITER installed."""
+    import engine.kernels.aiter as backend
+    from engine.kernels.aiter import ops
+    available = backend.available
+    backend.available = lambda device: None
+    ops.gfx.cache_clear()  # the arch is read once per process
+    try:
+        with activate(arch) as aiter:
+            yield aiter
+    finally:
+        backend.available = available
+        ops.gfx.cache_clear()

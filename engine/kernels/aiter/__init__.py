@@ -3,9 +3,9 @@ that ATOM uses for it (../../docs/ROCM.md has the table and the AITER version ta
 
 `aiter` is imported only inside the functions here (and never by any other backend), so the project
 imports and runs without it. What AITER cannot serve for a model (attention with a head size other than 128,
-sliding windows, KV blocks other than 16, per-tensor FP8 KV scales, MXFP4 on gfx942, ...) is declined here
-at start-up and runs on the Triton backend (the torch reference where Triton cannot run); the kernel table
-logged at start-up shows what runs.
+sliding windows, KV blocks other than 16, per-tensor FP8 KV scales, MXFP4 on gfx942, weight-only MXFP4, ...)
+is declined here at start-up and runs on the Triton backend (the torch reference where Triton cannot run); the
+kernel table logged at start-up shows what runs.
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def declines(op: str, facts: ModelFacts) -> str | None:
         return None
     if op in ("gemm_mxfp4", "fused_experts_mxfp4") and ops.gfx() == "gfx942":
         return "AITER's MXFP4 kernels need gfx950 (MI355X); this GPU is gfx942"
+    scheme = {"gemm_mxfp4": facts.linear_quant, "fused_experts_mxfp4": facts.experts_quant}.get(op)
+    if scheme is not None and scheme.method == "mxfp4" and scheme.activation == "none":
+        return "weight-only MXFP4 (w4a16): no AITER a16w4 kernel is mapped"
     if op in ops.HALF_PRECISION_ONLY and facts.dtype not in (torch.bfloat16, torch.float16):
         return f"AITER's kernel takes bf16/fp16, the model runs in {facts.dtype}"
     return None

@@ -174,14 +174,29 @@ def _prepare_experts(w13: torch.Tensor, w2: torch.Tensor) -> None:
     shuffle_in_place(w2)
 
 
+_EXPERT_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def masked_ids(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our ids with -1 for "no expert here" (remote experts under expert parallelism) as fused_moe takes
+    them: every -1 becomes one extra expert id, E, that `expert_mask` ([E + 1] int32, zero last) marks as
+    not held, so its routes add nothing; the real experts keep their ids (mask prefix sums are identity)."""
+    key = (num_experts, ids.device)
+    if key not in _EXPERT_MASKS:
+        mask = torch.ones(num_experts + 1, dtype=torch.int32, device=ids.device)
+        mask[-1] = 0
+        _EXPERT_MASKS[key] = mask
+    return torch.where(ids < 0, num_experts, ids).to(torch.int32), _EXPERT_MASKS[key]
+
+
 @kernel("aiter.fused_moe.fused_moe")
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
-    """Expert weights were shuffled in place once after loading (`prepare_weights`); ids must be >= 0 (the
-    TP path routes to real experts, the EP path runs only received tokens)."""
+    """Expert weights were shuffled in place once after loading (`prepare_weights`)."""
     import aiter
     from aiter.fused_moe import fused_moe
-    return fused_moe(x, w13, w2, weights, ids, activation=aiter.ActivationType.Silu,
+    ids, mask = masked_ids(ids, w13.shape[0])
+    return fused_moe(x, w13, w2, weights, ids, expert_mask=mask, activation=aiter.ActivationType.Silu,
                      quant_type=aiter.QuantType.No)
 
 

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from engine.kernels.aiter.ops import kernel, rows
+from engine.kernels.aiter.ops import kernel, masked_ids, rows
 from engine.kernels.quant import FP8_DTYPE, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -233,9 +233,10 @@ def _fused_experts(op: str, x, w13: QuantizedWeight, w2: QuantizedWeight, weight
         return _run_fallback(op, x, w13, w2, weights, ids)
     import aiter
     from aiter.fused_moe import fused_moe
-    return fused_moe(x, p13["weight"], p2["weight"], weights, ids, activation=aiter.ActivationType.Silu,
-                     quant_type=_expert_quant_type(w13.scheme.method), w1_scale=p13["scale"],
-                     w2_scale=p2["scale"])
+    ids, mask = masked_ids(ids, w13.weight.shape[0])
+    return fused_moe(x, p13["weight"], p2["weight"], weights, ids, expert_mask=mask,
+                     activation=aiter.ActivationType.Silu, quant_type=_expert_quant_type(w13.scheme.method),
+                     w1_scale=p13["scale"], w2_scale=p2["scale"])
 
 
 @kernel("aiter.fused_moe.fused_moe (per_Tensor / per_Token / per_1x128)")

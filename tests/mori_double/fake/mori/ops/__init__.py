@@ -1,0 +1,5 @@
+from .dispatch_combine import (  # noqa: F401
+    EpDispatchCombineConfig,
+    EpDispatchCombineKernelType,
+    EpDispatchCombineOp,
+)

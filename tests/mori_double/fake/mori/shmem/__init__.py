@@ -1,0 +1,1 @@
+from .api import *  # noqa: F401,F403
