@@ -70,6 +70,7 @@ def decode(args) -> dict:
         name = scheme or "bf16"
         results[name] = {"tok_s": rate, "roofline_tok_s": roofline, "bytes_per_step": step_bytes,
                          "gemm_kernel": table.get(f"gemm_{scheme}", table["gemm"])}
+        print(f"decode b=1 {name}: {rate:.1f} tok/s, {rate / roofline:.2f} of its roofline", flush=True)
         del llm
         free_gpu()
     base = results["bf16"]["tok_s"]

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.quant import FP8_DTYPE, MXFP4_GROUP, QuantizedWeight, fp8_max
+from engine.kernels.quant import FP8_DTYPE, MXFP4_GROUP, QuantizedWeight, divide, fp8_max
 
 FP8_LIMIT = tl.constexpr(fp8_max())
 # How the GEMM and expert kernels receive activations (their ACT argument).
@@ -34,7 +34,9 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, given_ptr, K, group, stride_xm, st
                          SCALE_FROM: tl.constexpr, BLOCK: tl.constexpr):
     """Row program_id(0), group program_id(1) of `group` columns -> e4m3, as fake_quantize_fp8 rounds: scale
     s = max(amax / 448, 1e-12) of the group's own values (SCALE_FROM 0, stored to s[row, group]), the scale
-    at given_ptr (1: static), or from the tensor's amax at given_ptr (2)."""
+    at given_ptr (1: static), or from the tensor's amax at given_ptr (2). Both divisions are div_rn: Triton's
+    `/` on float32 compiles to the approximate div.full.f32 on NVIDIA GPUs (an ulp off at times, enough to
+    move a scale or an e4m3 rounding), while the reference divides correctly rounded."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     start = g * group
@@ -46,15 +48,15 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, given_ptr, K, group, stride_xm, st
         for k in range(start, end, BLOCK):
             x = tl.load(x_row + k + offsets, mask=k + offsets < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_LIMIT, 1e-12)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_LIMIT), 1e-12)
         tl.store(s_ptr + row * stride_sm + g, scale)
     elif SCALE_FROM == 1:
         scale = tl.load(given_ptr)
     else:
-        scale = tl.maximum(tl.load(given_ptr) / FP8_LIMIT, 1e-12)
+        scale = tl.maximum(tl.math.div_rn(tl.load(given_ptr), FP8_LIMIT), 1e-12)
     for k in range(start, end, BLOCK):
         x = tl.load(x_row + k + offsets, mask=k + offsets < end, other=0.0).to(tl.float32)
-        q = round_to_e4m3(tl.clamp(x / scale, -FP8_LIMIT, FP8_LIMIT))
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_LIMIT, FP8_LIMIT))
         tl.store(q_ptr + row * stride_qm + k + offsets, q.to(q_ptr.dtype.element_ty), mask=k + offsets < end)
 
 
@@ -115,7 +117,7 @@ def quantize_fp8(x: torch.Tensor, group: int | None, static_scale: torch.Tensor 
             _quantize_fp8_kernel[(m, 1)](x, q, q, scale, k, k, x.stride(0), q.stride(0), 0, SCALE_FROM=scale_from,
                                          BLOCK=block, num_warps=4)
         if scale_from == 2:  # the amax became the scale inside the kernel; the GEMM needs the scale itself
-            scale = (scale / fp8_max()).clamp_(min=1e-12)
+            scale = divide(scale, fp8_max()).clamp_(min=1e-12)
         return q, scale
     num_groups = triton.cdiv(k, group)
     scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)

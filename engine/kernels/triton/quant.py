@@ -5,7 +5,9 @@ By rows M of the product:
 - M <= 16 (decode): weight-only. A skinny kernel streams each weight byte once, dequantizes it in registers
   (FP8 with its per-tensor / per-row / per-block scale, e2m1 with its e8m0 scales through `tl.dot_scaled`) and
   multiplies the unquantized activations; the reference also quantizes the activations, so the two differ by
-  that rounding. The MXFP4 w4a4 scheme quantizes its activations here too (exactly as the reference).
+  that rounding. The MXFP4 w4a4 scheme quantizes its activations here too (exactly as the reference). On
+  Hopper, e4m3 becomes bf16 through integer operations (`e4m3_to_bf16`): Triton's own conversion is two
+  conversion-unit instructions a value, the limit of this kernel at 1.6-2.2 TB/s before.
 - M > 16 on a GPU with FP8 tensor cores (sm_89+): W8A8. fp8_tensor / fp8_channel run `torch._scaled_mm`
   (cuBLASLt per-tensor; CUTLASS row-wise on sm_90+, bf16 output) on activations quantized by a Triton kernel
   (activation_quant.py: per tensor, or per token); fp8_block is a Triton GEMM on activations quantized per token and K-block, each
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.quant import MXFP4_GROUP, QuantizedWeight
-from engine.kernels.triton import gemv, pdl
+from engine.kernels.triton import gemv, pdl, workspace
 from engine.kernels.triton.activation_quant import ACT_FP8, ACT_MXFP4, quantize_activations
 from engine.kernels.triton.common import dot
 
@@ -42,6 +44,7 @@ MXFP4 = tl.constexpr(3)
 METHOD_CODES = {"fp8_tensor": 0, "fp8_channel": 1, "fp8_block": 2, "mxfp4": 3}
 
 MAX_SKINNY_ROWS = 16
+FAST_FP8_CONVERSION = True  # e4m3_to_bf16 in the weight-only kernels where the GPU takes it (off: `.to`)
 
 
 def interpreted() -> bool:
@@ -51,6 +54,13 @@ def interpreted() -> bool:
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def _sm90_cuda(device: torch.device) -> bool:
+    """NVIDIA Hopper or later (e4m3_to_bf16's PTX), compiled (not the interpreter)."""
+    if device.type != "cuda" or torch.version.hip or interpreted():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:
@@ -67,7 +77,40 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 
 @triton.jit
-def accumulate(acc, a, a_scale, w, w_scale, METHOD: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr):
+def e4m3_to_bf16(w):
+    """e4m3 -> bf16, exact, in three integer operations and one bf16 multiply per pair of values: each byte
+    sign-extended into a 16-bit lane (prmt), shifted so that its exponent and mantissa bits land in bf16's and
+    masked to those and the sign, which is the value times 2^-120 (subnormals included: bf16 keeps float32's
+    exponent range), then scaled by 2^120. `.to(tl.bfloat16)` takes two conversions per value (e4m3x2 ->
+    f16x2, f16 -> bf16) on the multiprocessors' slower conversion unit, which held the weight-streaming kernel
+    near 1.6-2.2 TB/s on an H100. NVIDIA sm_90+ (mul.bf16x2)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 lo, hi, bias;
+        mov.b32 bias, 0x7B807B80;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 lo, lo, 0x87F087F0;
+        and.b32 hi, hi, 0x87F087F0;
+        mul.rn.bf16x2 $0, lo, bias;
+        mul.rn.bf16x2 $1, hi, bias;
+        }""", "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def dequantize_to(w, dtype: tl.constexpr, FAST_FP8: tl.constexpr):
+    """An e4m3 weight tile as `dtype` for a dot (through e4m3_to_bf16 where FAST_FP8 and dtype is bf16)."""
+    if FAST_FP8 and dtype == tl.bfloat16:
+        return e4m3_to_bf16(w)
+    else:
+        return w.to(dtype)
+
+
+@triton.jit
+def accumulate(acc, a, a_scale, w, w_scale, METHOD: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr,
+               FAST_FP8: tl.constexpr = False):
     """acc + a @ w for one K tile. a: [BM, BK] activations (ACT_NONE), e4m3 (ACT_FP8, a_scale [BM] fp32 for
     this K tile with BLOCK weights, else unused) or [BM, BK/2] packed e2m1 (ACT_MXFP4, a_scale [BM, BK/32]
     e8m0). w: [BK, BN] e4m3 (w_scale [BN] fp32 for this K tile with BLOCK, else unused) or [BK/2, BN] packed
@@ -89,9 +132,9 @@ def accumulate(acc, a, a_scale, w, w_scale, METHOD: tl.constexpr, ACT: tl.conste
             return acc + product
     else:
         if METHOD == BLOCK:
-            return acc + dot(a, w.to(a.dtype), UPCAST) * w_scale[None, :]
+            return acc + dot(a, dequantize_to(w, a.dtype, FAST_FP8), UPCAST) * w_scale[None, :]
         else:
-            return acc + dot(a, w.to(a.dtype), UPCAST)
+            return acc + dot(a, dequantize_to(w, a.dtype, FAST_FP8), UPCAST)
 
 
 @triton.jit
@@ -158,10 +201,13 @@ def _gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, K,
                  METHOD: tl.constexpr, ACT: tl.constexpr, BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-                 PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+                 PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, K_STEPS: tl.constexpr = 1,
+                 FAST_FP8: tl.constexpr = False):
     """y[M, N] = a[M, K] w[N, K]^T (+ bias), w quantized as METHOD says, a as ACT says: one [BLOCK_M, BLOCK_N]
-    tile per program. Element offsets along K count values; packed e2m1 rows hold K/2 bytes. With BLOCK
-    weights, BLOCK_K divides BLOCK_SK (each K tile lies in one scale block)."""
+    tile per program. Element offsets along K count values; packed e2m1 rows hold K/2 bytes. Each iteration
+    streams BLOCK_K columns as K_STEPS sub-tiles of BLOCK_K / K_STEPS, each multiplied and scaled on its own:
+    with BLOCK weights a sub-tile divides BLOCK_SK (lies in one scale block), so wide iterations keep as many
+    weight bytes in flight as the other schemes while the block scales apply per sub-tile."""
     pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,18 +225,26 @@ def _gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, K,
             gemv._prefetch_l2(tl.where(col_mask[:, None] & (starts < K // PACKED_W)[None, :], lines, w_ptr))
         pdl.enter()
     a_rows = a_ptr + tl.where(row_mask, rows, 0).to(tl.int64)[:, None] * stride_am
-    ka = tl.arange(0, BLOCK_K // PACKED_A)
-    kw = tl.arange(0, BLOCK_K // PACKED_W)
+    SUB_K: tl.constexpr = BLOCK_K // K_STEPS
+    ka = tl.arange(0, SUB_K // PACKED_A)
+    kw = tl.arange(0, SUB_K // PACKED_W)
     a_index = tl.where(row_mask, rows, 0) * stride_asm  # of each row's activation scales
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        a = tl.load(a_rows + k // PACKED_A + ka[None, :],
-                    mask=row_mask[:, None] & (k // PACKED_A + ka < K // PACKED_A)[None, :], other=0.0)
-        w = tl.load(w_rows + k // PACKED_W + kw[:, None],
-                    mask=(k // PACKED_W + kw < K // PACKED_W)[:, None] & col_mask[None, :], other=0.0)
-        a_scale = activation_scales(a_scale_ptr, a_index, row_mask, k, K, METHOD, ACT, BLOCK_SK, BLOCK_K)
-        w_scale = weight_scales(w_scale_ptr, cols, col_mask, k, K, stride_wsn, METHOD, BLOCK_SN, BLOCK_SK, BLOCK_K)
-        acc = accumulate(acc, a, a_scale, w, w_scale, METHOD, ACT, UPCAST)
+    for k0 in range(0, K, BLOCK_K):
+        for step in tl.static_range(K_STEPS):
+            k = k0 + step * SUB_K
+            a = tl.load(a_rows + k // PACKED_A + ka[None, :],
+                        mask=row_mask[:, None] & (k // PACKED_A + ka < K // PACKED_A)[None, :], other=0.0)
+            w = tl.load(w_rows + k // PACKED_W + kw[:, None],
+                        mask=(k // PACKED_W + kw < K // PACKED_W)[:, None] & col_mask[None, :], other=0.0)
+            a_scale = activation_scales(a_scale_ptr, a_index, row_mask, k, K, METHOD, ACT, BLOCK_SK, SUB_K)
+            if METHOD == BLOCK and BLOCK_SN % BLOCK_N == 0:  # one scale block row: one scale, not a gather
+                w_scale = tl.zeros([BLOCK_N], dtype=tl.float32) + tl.load(
+                    w_scale_ptr + (pid_n * BLOCK_N // BLOCK_SN).to(tl.int64) * stride_wsn + k // BLOCK_SK)
+            else:
+                w_scale = weight_scales(w_scale_ptr, cols, col_mask, k, K, stride_wsn, METHOD, BLOCK_SN, BLOCK_SK,
+                                        SUB_K)
+            acc = accumulate(acc, a, a_scale, w, w_scale, METHOD, ACT, UPCAST, FAST_FP8)
     acc = scale_output(acc, a_scale_ptr, a_index, w_scale_ptr, cols, col_mask, METHOD, ACT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -230,20 +284,35 @@ def block_k_within(block: tuple[int, int], block_k: int) -> int:
     return min(block_k, block[1] & -block[1])
 
 
-def _skinny_tiles(method: str, block: tuple[int, int], element_size: int) -> dict:
-    """Tiles of the decode launch (M <= 16, weight-only), like gemv's: 32 output features per program, wide
-    K tiles streamed through a deep pipeline. FP8 block scales are applied per K tile, so the tile stops at the
-    scale block (128 columns: more stages instead, ~48 KiB of weight in flight). float32 activations (not a
-    speed path) take short tiles. Not tuned on a GPU yet (benchmarks/quant_gemm_bench.py)."""
+# The decode launch's K tiles for FP8 weights (M <= 16, weight-only, 32 output features a program): (family,
+# whether the launch is one wave: no more programs than multiprocessors) -> (K tile, sub-tiles, stages).
+# fp8_block's sub-tiles are its scale blocks (128 columns in every checkpoint). Measured on an H100
+# (`quant_gemm_bench`, Llama-3.1-8B projections, 2026-11-24): one-wave launches (O and down, 128 programs) run
+# fastest with 1024-wide tiles three deep, launches of several waves (QKV, gate/up) with 512-wide ones, which
+# lose 30-40 % with deeper pipelines.
+SKINNY_FP8_TILES = {
+    ("fp8", True): (1024, 2, 3), ("fp8", False): (512, 2, 4),
+    ("fp8_block", True): (1024, 8, 3), ("fp8_block", False): (512, 4, 3),
+}
+
+
+def _skinny_tiles(method: str, block: tuple[int, int], element_size: int, n: int, num_sms: int) -> dict:
+    """Tiles of the decode launch (M <= 16, weight-only), like gemv's: 32 output features per program, wide K
+    tiles streamed through a pipeline (SKINNY_FP8_TILES). FP8 block scales apply per sub-tile of one scale
+    block, so 128x128 blocks stream as wide tiles as the other schemes. float32 activations (not a speed
+    path) take short tiles."""
     if method == "mxfp4":
-        tiles = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_stages=4, num_warps=4)
-    elif method == "fp8_block":
-        tiles = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k_within(block, 128), num_stages=12, num_warps=4)
-    else:
-        tiles = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, num_stages=4, num_warps=4)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_stages=4, num_warps=4)
+    block_n = 32
+    one_wave = triton.cdiv(n, block_n) <= num_sms
+    block_k, steps, stages = SKINNY_FP8_TILES["fp8_block" if method == "fp8_block" else "fp8", one_wave]
+    if method == "fp8_block":
+        sub = block_k_within(block, block_k)
+        steps = max(1, block_k // sub)
+        block_k = sub * steps
     if element_size > 2:
-        tiles.update(BLOCK_K=min(tiles["BLOCK_K"], 128), num_stages=3)
-    return tiles
+        block_k, steps, stages = min(block_k // steps, 128), 1, 3
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, K_STEPS=steps, num_stages=stages, num_warps=4)
 
 
 def _large_tiles(m: int, method: str, block: tuple[int, int], act_fp8: bool) -> dict:
@@ -271,6 +340,7 @@ def _launch(a, a_scale, weight, w_scale, bias, out, method: str, act, block: tup
     block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
     skinny = block_m == MAX_SKINNY_ROWS and m <= MAX_SKINNY_ROWS
     pdl_options = pdl.launch_options(out)
+    fast_fp8 = FAST_FP8_CONVERSION and method != "mxfp4" and _sm90_cuda(out.device)
     packed = 2 if method == "mxfp4" else 1
     lines = gemv.prefetch_lines(n, k // packed, weight.element_size(), None,
                                 gemv.device_prefetch_bytes_per_row(out.device)) if skinny else 0
@@ -288,6 +358,7 @@ def _launch(a, a_scale, weight, w_scale, bias, out, method: str, act, block: tup
                 a.stride(0), stride_asm, weight.stride(0), stride_wsn, out.stride(0),
                 METHOD=METHOD_CODES[method], ACT=act, BLOCK_SN=block[0], BLOCK_SK=block[1], HAS_BIAS=bias is not None,
                 UPCAST=a.device.type == "cpu", PREFETCH_LINES=lines, LINE=128 // weight.element_size(),
+                FAST_FP8=fast_fp8,
                 num_stages=stages, **tiles, **pdl_options)
             break
         except triton.runtime.errors.OutOfResources:
@@ -343,7 +414,7 @@ def gemm_quantized(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
     if fp8_activations and method in ("fp8_tensor", "fp8_channel") and _scaled_mm_serves(x, method, n, k, out_dtype):
         return _scaled_mm(a, a_scale, weight, w_scale, method, bias, out_dtype).view(*x.shape[:-1], n)
     if skinny:
-        tiles = _skinny_tiles(method, scheme.block, x.element_size())
+        tiles = _skinny_tiles(method, scheme.block, x.element_size(), n, workspace.num_sms(x.device))
     else:
         tiles = _large_tiles(m, method, scheme.block, fp8_activations)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
