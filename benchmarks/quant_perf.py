@@ -121,7 +121,7 @@ def throughput(args) -> dict:
         prompts, output_lens = prompts[:args.num_requests], output_lens[:args.num_requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     results, rows = {}, []
-    for scheme in (None, "fp8_block"):
+    for scheme in [None if name == "bf16" else name for name in args.moe_schemes]:  # one per process, ideally
         llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=MAX_NUM_SEQS,
                   max_num_batched_tokens=8192, show_progress=False, quantization=scheme)
         timed_generate(llm, prompts[:64], params[:64])
@@ -134,9 +134,10 @@ def throughput(args) -> dict:
                          "experts_kernel": table["fused_experts_fp8" if scheme else "fused_experts"]}
         del llm
         free_gpu()
-    base = results["bf16"]["tok_s"]
+    base = results["bf16"]["tok_s"] if "bf16" in results else None
     for name, r in results.items():
-        rows.append((name, f"{r['tok_s']:.0f}", f"{r['tok_s'] / base:.2f}x", f"{r['seconds']:.1f}", r["num_kv_blocks"]))
+        rows.append((name, f"{r['tok_s']:.0f}", f"{r['tok_s'] / base:.2f}x" if base else "-", f"{r['seconds']:.1f}",
+                     r["num_kv_blocks"]))
     print_table(["offline throughput", "output tok/s", "vs bf16", "seconds", "KV blocks"], rows)
     return {"results": results, "num_requests": len(prompts), "output_tokens": sum(output_lens)}
 
@@ -151,6 +152,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtypes", nargs="*", default=["auto", "fp8"], choices=["auto", "fp8"],
                         help="kv-cache: which caches to run (one per process gives each the same free memory)")
     parser.add_argument("--num-requests", type=int, default=None, help="throughput: only the first N requests")
+    parser.add_argument("--moe-schemes", nargs="*", default=["bf16", "fp8_block"], choices=["bf16", *SCHEMES],
+                        help="throughput: weights to run (one per process gives each the same free memory)")
     args = parser.parse_args()
     args.model = args.model or ("benchmarks/configs/qwen3-30b-a3b" if args.mode == "throughput"
                                 else "benchmarks/configs/llama-3.1-8b")
