@@ -44,6 +44,12 @@ class QuantScheme:
         if self.activation not in allowed:
             raise ValueError(f"{self.method} weights take activations {allowed}, not {self.activation!r}")
 
+    def describe(self) -> str:
+        """E.g. "fp8_block 128x128, dynamic activations"."""
+        block = f" {self.block[0]}x{self.block[1]}" if self.method == "fp8_block" else ""
+        activations = "unquantized activations" if self.activation == "none" else f"{self.activation} activations"
+        return f"{self.method}{block}, {activations}"
+
     @property
     def gemm_op(self) -> str:
         return f"gemm_{self.method}"

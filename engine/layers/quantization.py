@@ -123,10 +123,7 @@ def quantize_for_loading(tensor: torch.Tensor, scheme: QuantScheme) -> tuple[tor
 
 
 def describe_scheme(scheme: QuantScheme | None) -> str:
-    if scheme is None:
-        return "unquantized"
-    extra = f" {scheme.block[0]}x{scheme.block[1]}" if scheme.method == "fp8_block" else ""
-    return f"{scheme.method}{extra} (activations {scheme.activation})"
+    return "unquantized" if scheme is None else scheme.describe()
 
 
 def log_plan(model: nn.Module, plan: QuantPlan) -> None:

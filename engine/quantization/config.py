@@ -67,9 +67,7 @@ def describe_scheme(rule: Rule) -> str:
         return "unquantized"
     if isinstance(rule, Unsupported):
         return f"unsupported ({rule.reason})"
-    block = f" {rule.block[0]}x{rule.block[1]}" if rule.method == "fp8_block" else ""
-    activations = {"none": "unquantized activations"}.get(rule.activation, f"{rule.activation} activations")
-    return f"{rule.method}{block}, {activations}"
+    return rule.describe()
 
 
 @dataclass(frozen=True)
