@@ -7,7 +7,8 @@ By rows M of the product:
   multiplies the unquantized activations; the reference also quantizes the activations, so the two differ by
   that rounding. The MXFP4 w4a4 scheme quantizes its activations here too (exactly as the reference). On
   Hopper, e4m3 becomes bf16 through integer operations (`e4m3_to_bf16`): Triton's own conversion is two
-  conversion-unit instructions a value, the limit of this kernel at 1.6-2.2 TB/s before.
+  conversion-unit instructions a value, the limit of this kernel at 1.6-2.2 TB/s before. FP8 weights at one
+  row (batch-1 decode) take fp8_gemv's CUDA-core kernel instead (no 16-row MMA padding).
 - M > 16 on a GPU with FP8 tensor cores (sm_89+): W8A8. fp8_tensor / fp8_channel run `torch._scaled_mm`
   (cuBLASLt per-tensor; CUTLASS row-wise on sm_90+, bf16 output) on activations quantized by a Triton kernel
   (activation_quant.py: per tensor, or per token); fp8_block is a Triton GEMM on activations quantized per token and K-block, each
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.quant import MXFP4_GROUP, QuantizedWeight
-from engine.kernels.triton import gemv, pdl, workspace
+from engine.kernels.triton import fp8_gemv, gemv, pdl, workspace
 from engine.kernels.triton.activation_quant import ACT_FP8, ACT_MXFP4, quantize_activations
 from engine.kernels.triton.common import dot
 
@@ -45,6 +46,7 @@ METHOD_CODES = {"fp8_tensor": 0, "fp8_channel": 1, "fp8_block": 2, "mxfp4": 3}
 
 MAX_SKINNY_ROWS = 16
 FAST_FP8_CONVERSION = True  # e4m3_to_bf16 in the weight-only kernels where the GPU takes it (off: `.to`)
+ONE_ROW_GEMV = True  # FP8 products of one row on fp8_gemv's CUDA-core kernel (off: the skinny MMA kernel)
 
 
 def interpreted() -> bool:
@@ -413,11 +415,15 @@ def gemm_quantized(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
     fp8_activations = act == ACT_FP8.value
     if fp8_activations and method in ("fp8_tensor", "fp8_channel") and _scaled_mm_serves(x, method, n, k, out_dtype):
         return _scaled_mm(a, a_scale, weight, w_scale, method, bias, out_dtype).view(*x.shape[:-1], n)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if ONE_ROW_GEMV and fp8_gemv.takes(method, scheme.block, m):
+        fast_fp8 = FAST_FP8_CONVERSION and _sm90_cuda(x.device)
+        fp8_gemv.fp8_gemv(a, weight, w_scale, METHOD_CODES[method], scheme.block, bias, out, fast_fp8)
+        return out.view(*x.shape[:-1], n)
     if skinny:
         tiles = _skinny_tiles(method, scheme.block, x.element_size(), n, workspace.num_sms(x.device))
     else:
         tiles = _large_tiles(m, method, scheme.block, fp8_activations)
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     _launch(a, a_scale, weight, w_scale, bias, out, method, act, scheme.block, tiles)
     return out.view(*x.shape[:-1], n)
 

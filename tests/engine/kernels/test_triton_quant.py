@@ -84,9 +84,10 @@ def test_decode_rows_match_reference(name, rows):
 
 
 @pytest.mark.parametrize("name", ["fp8_tensor", "fp8_channel", "fp8_block", "mxfp4"])
-def test_decode_rows_are_the_product_with_the_dequantized_weight(name):
-    """Weight-only: exactly x W^T for W the weight the quantized one stands for."""
-    qw, x = weight(name), float32_activations(3, name)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_rows_are_the_product_with_the_dequantized_weight(name, rows):
+    """Weight-only: exactly x W^T for W the weight the quantized one stands for (one row: the CUDA-core GEMV)."""
+    qw, x = weight(name), float32_activations(rows, name)
     expected = x @ dequantize_weight(qw).t()
     assert relative_error(quant.gemm_quantized(x, qw), expected) < 1e-5
 
@@ -121,14 +122,15 @@ def test_float16_activations_match_reference(name, rows):
 
 @pytest.mark.skipif(not quant._sm90_cuda(torch.device(DEVICE)), reason="the integer e4m3 -> bf16 path is sm_90+ PTX")
 @pytest.mark.parametrize("name", ["fp8_tensor", "fp8_block"])
-def test_fast_e4m3_conversion_gives_the_same_bits_as_torch_conversion(monkeypatch, name):
-    """Every e4m3 code (subnormals, both zeros, +-448; NaN aside) as a weight: the decode kernel with
-    e4m3_to_bf16 returns exactly what it returns with Triton's own conversion."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fast_e4m3_conversion_gives_the_same_bits_as_torch_conversion(monkeypatch, name, rows):
+    """Every e4m3 code (subnormals, both zeros, +-448; NaN aside) as a weight: the decode kernels with
+    e4m3_to_bf16 return exactly what they return with Triton's own conversion."""
     qw = weight(name, n=64, k=256)
     codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     codes = codes[(codes & 0x7F) != 0x7F]
     qw.weight.view(torch.uint8).view(-1)[:] = codes.repeat(qw.weight.numel() // codes.numel() + 1)[:qw.weight.numel()]
-    x = activations(3, k=256)
+    x = activations(rows, k=256)
     fast = quant.gemm_quantized(x, qw, out_dtype=torch.float32)
     monkeypatch.setattr(quant, "FAST_FP8_CONVERSION", False)
     assert torch.equal(fast, quant.gemm_quantized(x, qw, out_dtype=torch.float32))
@@ -142,10 +144,11 @@ def test_leading_dimensions_are_kept():
 
 
 @pytest.mark.parametrize("name", ["fp8_block", "mxfp4"])
-def test_blocks_cut_by_the_matrix_edge(name):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_blocks_cut_by_the_matrix_edge(name, rows):
     """N and K past the last whole FP8 block (200 = 128 + 72 rows, 288 = 2 * 128 + 32 columns) and past the
     last whole skinny K tile."""
-    qw, x = weight(name, n=200, k=288), float32_activations(2, name, k=288)
+    qw, x = weight(name, n=200, k=288), float32_activations(rows, name, k=288)
     expected = x @ dequantize_weight(qw).t()
     assert relative_error(quant.gemm_quantized(x, qw), expected) < 1e-5
 
