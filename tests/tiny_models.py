@@ -41,8 +41,31 @@ ARCHITECTURES = {
     # partial_rotary_factor says the same as rotary_dim: transformers 5.17 ignored rotary_dim (whole-head RoPE).
     "minimax_m2": dict(model_type="minimax_m2", head_dim=32, rotary_dim=16, partial_rotary_factor=0.5,
                        num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    # Multi-head latent attention (num_key_value_heads = num_attention_heads: transformers' MLA needs it),
+    # v_head_dim unlike qk_nope_head_dim. V2: no q-LoRA, softmax routing limited to 2 of 4 groups (a group's
+    # best score), scaled, not renormalised; two shared experts; a dense first layer.
+    "deepseek_v2": dict(model_type="deepseek_v2", num_key_value_heads=6, kv_lora_rank=32, q_lora_rank=None,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=2,
+                        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=2.0),
+    # V2 with greedy routing and DeepSeek's yarn (mscale != mscale_all_dim: rope attention factor and softmax
+    # scale both change; yarn moves every frequency, so short prompts test it too).
+    "deepseek_v2_yarn": dict(model_type="deepseek_v2", num_key_value_heads=6, kv_lora_rank=32, q_lora_rank=None,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+                             first_k_dense_replace=0, topk_method="greedy", routed_scaling_factor=1.5,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}),
+    # V3: q-LoRA, sigmoid routing with a correction bias, 2 of 4 groups, renormalised and scaled weights.
+    "deepseek_v3": dict(model_type="deepseek_v3", num_key_value_heads=6, kv_lora_rank=32, q_lora_rank=48,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                        routed_scaling_factor=2.5),
 }
-MOE_ARCHITECTURES = ["qwen3_moe", "mixtral", "glm4_moe", "glm4_moe_qk_norm", "minimax_m2"]
+MOE_ARCHITECTURES = ["qwen3_moe", "mixtral", "glm4_moe", "glm4_moe_qk_norm", "minimax_m2", "deepseek_v2",
+                     "deepseek_v2_yarn", "deepseek_v3"]
 
 
 def build_tokenizer(folder: Path):

@@ -1,4 +1,5 @@
-"""The attention layer: a dispatcher over the active attention backend, holding this layer's KV cache."""
+"""The attention layer: a dispatcher over the active attention backend, holding this layer's KV cache; and
+the contract of every layer that keeps entries in the paged KV cache (`KVCacheLayer`)."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,26 @@ from engine.kernels import active_backend
 from engine.kernels.attention import KVCacheQuant
 
 
-class Attention(nn.Module):
+class KVCacheLayer(nn.Module):
+    """A layer that keeps per-token entries in the paged KV cache. The runner asks each such layer for the
+    shape of its cache (and of its FP8 per-token scales), allocates them and binds `kv_cache` / `kv_quant`;
+    nothing else decides a layout."""
+    kv_cache: torch.Tensor | None
+    kv_quant: KVCacheQuant | None
+    supports_fp8_kv_cache = True  # whether the layer can keep an FP8 cache (KVCacheQuant)
+    supports_cuda_graphs = True   # whether its decode step can be captured (with a backend that can)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def kv_scale_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of the per-token key scales (and of the value scales) of an FP8 cache."""
+        raise NotImplementedError
+
+
+class Attention(KVCacheLayer):
+    """Multi-head / grouped-query attention; the cache layout is the attention backend's."""
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
@@ -24,6 +44,12 @@ class Attention(nn.Module):
         for param in (self.k_scale, self.v_scale):
             param.weight_loader = self._kv_scale_loader
             param.check_loaded = lambda param, shards: None  # optional
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_size)
+
+    def kv_scale_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.backend.kv_scale_shape(num_blocks, block_size, self.num_kv_heads)
 
     def _kv_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.numel() != 1:

@@ -5,6 +5,8 @@ import importlib
 
 # architecture -> (module, class)
 _MODELS = {
+    "DeepseekV2ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "Glm4MoeForCausalLM": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "MiniMaxM2ForCausalLM": ("engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),

@@ -18,7 +18,7 @@ from engine.core.scheduler_output import LogprobsLists, RunnerOutput, SchedulerO
 from engine.forward_context import forward_context
 from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant
 from engine.kernels.sampling import step_seed
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, KVCacheLayer
 from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
 from engine.loader import ModelSource, build_model
 from engine.parallel import get_parallel_state
@@ -110,7 +110,14 @@ class ModelRunner:
         self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
         self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype,
                                  config.quantization)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # Every layer with entries in the paged cache (MHA and MLA); the MHA ones alone own FP8 KV scales.
+        self.cache_layers = [m for m in self.model.modules() if isinstance(m, KVCacheLayer)]
+        self.attention_layers = [m for m in self.cache_layers if isinstance(m, Attention)]
+        no_fp8 = sorted({type(m).__name__ for m in self.cache_layers if not m.supports_fp8_kv_cache})
+        if config.fp8_kv_cache and no_fp8:
+            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for this model: "
+                              f"its {', '.join(no_fp8)} layers keep a full-precision cache only; "
+                              f"use kv_cache_dtype='auto'")
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
         self.is_driver = get_parallel_state().tp_rank == 0
@@ -148,11 +155,10 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         element_size = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         total = 0
-        for layer in self.attention_layers:
-            shape = self.attn_backend.kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
-            total += int(np.prod(shape)) * element_size
+        for layer in self.cache_layers:
+            total += int(np.prod(layer.kv_cache_shape(1, self.block_size))) * element_size
             if self.kv_scale_granularity == "token":  # float32 key and value scales per token and KV head
-                total += 2 * 4 * int(np.prod(self.attn_backend.kv_scale_shape(1, self.block_size, layer.num_kv_heads)))
+                total += 2 * 4 * int(np.prod(layer.kv_scale_shape(1, self.block_size)))
         return total
 
     def determine_num_kv_blocks(self) -> int:
@@ -186,8 +192,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_kv_blocks = num_blocks
-        for layer in self.attention_layers:
-            shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+        for layer in self.cache_layers:
+            shape = layer.kv_cache_shape(num_blocks, self.block_size)
             # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN. Written,
             # not calloc'ed: on CPU, torch.zeros maps pages that become resident only when first written, so
             # the process would grow by up to the whole cache while serving (and could be killed for it then).
@@ -199,7 +205,12 @@ class ModelRunner:
         if state.expert_parallel and self.uses_cuda and not self.config.enforce_eager:
             logger.info("expert parallelism: decode steps run eagerly (the token exchange's split sizes are "
                         "data-dependent, so it cannot be captured in a CUDA graph)")
+        eager_layers = sorted({type(m).__name__ for m in self.cache_layers if not m.supports_cuda_graphs})
+        if eager_layers and self.uses_cuda and not self.config.enforce_eager:
+            logger.info("decode steps run eagerly: %s layers cannot be captured in a CUDA graph yet",
+                        ", ".join(eager_layers))
         if (self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs
+                and not eager_layers
                 and not state.host_collectives  # gloo's collectives cannot be captured
                 and not state.expert_parallel):
             graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size, self.max_model_len,
@@ -211,13 +222,13 @@ class ModelRunner:
                 logger.warning("decode graph capture failed, running eagerly: %s", exc)
                 torch.cuda.synchronize(self.device)
 
-    def _kv_quant(self, layer: Attention, num_blocks: int) -> KVCacheQuant | None:
+    def _kv_quant(self, layer: KVCacheLayer, num_blocks: int) -> KVCacheQuant | None:
         granularity = self.kv_scale_granularity
         if granularity is None:
             return None
         if granularity == "tensor":
             return KVCacheQuant("tensor", layer.k_scale.data, layer.v_scale.data)
-        shape = self.attn_backend.kv_scale_shape(num_blocks, self.block_size, layer.num_kv_heads)
+        shape = layer.kv_scale_shape(num_blocks, self.block_size)
         return KVCacheQuant("token", torch.ones(shape, dtype=torch.float32, device=self.device),
                             torch.ones(shape, dtype=torch.float32, device=self.device))
 

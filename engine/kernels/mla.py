@@ -1,0 +1,48 @@
+"""Multi-head latent attention's dispatch point (DeepSeek-V2/V3, Kimi-K2): the latent-cache write, prefill
+over expanded keys and values, and decode with the absorbed weights, behind one function. Only the torch
+reference exists so far; the Triton and AITER kernels (`mla_decode_fwd`, `mla_prefill_fwd`,
+`concat_and_cache_mla`) plug in here.
+
+Cache layout, per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one entry per token
+(the normalised latent, then the rotated shared rope key), the same on every TP rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class MLAWeights:
+    """What MLA attention needs of the layer's `kv_b_proj` ([H * (qk_nope + v), kv_lora_rank] on this rank):
+    `kv_b` runs the projection (quantized or not) for the prefill's expansion; `w_uk` [H, qk_nope, L] and
+    `w_uv` [H, v, L] are its per-head key and value halves, full precision in the activations' dtype (strided
+    views allowed), for the absorbed decode."""
+    kv_b: Callable[[torch.Tensor], torch.Tensor]
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        return self.w_uk.shape[1]
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.w_uv.shape[1]
+
+
+def mla_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, qk_rope_head_dim: int) -> tuple[int, ...]:
+    return (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)
+
+
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                  kv_cache: torch.Tensor | None, metadata, weights: MLAWeights, scale: float,
+                  block_size: int) -> torch.Tensor:
+    """Write this step's entries (latent [T, L] normalised, k_pe [T, R] rotated) at their cache slots, then
+    attend: q_nope [T, H, qk_nope], q_pe [T, H, R] (rotated) -> [T, H, v]. Decodes (the metadata's leading
+    one-token sequences) attend in latent space; prefill chunks over keys and values expanded from the
+    cached latents, causally, bottom-right aligned. `kv_cache` None: the profiling pass (no cache yet,
+    prefills only)."""
+    from engine.kernels.torch import mla as reference
+    return reference.mla_attention(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights, scale, block_size)
