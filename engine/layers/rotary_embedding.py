@@ -62,7 +62,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size, self.rotary_dim, self.is_neox_style = head_size, rotary_dim, is_neox_style
         inv_freq, scaling = compute_inv_freq(hf_config, rotary_dim)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        positions = torch.arange(max_position, dtype=torch.float32)  # on the model's device (a device context)
+        freqs = torch.outer(positions, inv_freq.to(positions.device))  # yarn's come from transformers on the CPU
         cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
