@@ -59,6 +59,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor) -> torch.Tensor:
     """The routed experts' MLPs, one expert at a time over the tokens routed to it (HF's loop, kept as the
     reference: no fused kernel can be checked against anything simpler)."""
+    return each_expert(x, weights, ids, w2.shape[2], lambda rows, e: F.linear(rows, w13[e]),
+                       lambda rows, e: F.linear(rows, w2[e]).float())
+
+
+def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, intermediate: int, gate_up, down):
+    """sum_k weights[t, k] * down(silu_and_mul(gate_up(x[t], e)), e) for e = ids[t, k] >= 0, one expert at a
+    time over its tokens, summed in float32 and rounded once to x's dtype. `gate_up(rows, e)` returns x's
+    dtype, `down(rows, e)` float32."""
     num_tokens, hidden = x.shape
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
@@ -66,14 +74,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     flat_ids = ids.reshape(-1).long()
     token_of_pair = torch.arange(num_tokens, device=x.device).repeat_interleave(ids.shape[1])
     flat_weights = weights.reshape(-1).float()
-    intermediate = w2.shape[2]
     for expert in torch.unique(flat_ids).tolist():
         if expert < 0:
             continue
         pairs = (flat_ids == expert).nonzero(as_tuple=True)[0]
         tokens = token_of_pair[pairs]
-        gate_up = F.linear(x[tokens], w13[expert])
-        hidden_act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        y = F.linear(hidden_act, w2[expert]).float() * flat_weights[pairs, None]
-        out.index_add_(0, tokens, y)
+        projected = gate_up(x[tokens], expert)
+        hidden_act = F.silu(projected[:, :intermediate]) * projected[:, intermediate:]
+        out.index_add_(0, tokens, down(hidden_act, expert) * flat_weights[pairs, None])
     return out.to(x.dtype)

@@ -4,9 +4,9 @@ for the Triton and AITER versions and what CPU runs."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels.quant import QuantizedWeight, dequantize_weight, expert_slice, fake_quantize_activations
+from engine.kernels.torch.moe import each_expert
 
 
 def gemm_quantized(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -23,21 +23,6 @@ def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: Quantized
                             ids: torch.Tensor) -> torch.Tensor:
     """`fused_experts` (engine/kernels/torch/moe.py) with quantized expert weights: each expert's GEMMs as
     `gemm_quantized` (its activations quantized as its scheme says), the intermediate rounded to x's dtype."""
-    num_tokens, hidden = x.shape
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    if num_tokens == 0:
-        return out.to(x.dtype)
-    flat_ids = ids.reshape(-1).long()
-    token_of_pair = torch.arange(num_tokens, device=x.device).repeat_interleave(ids.shape[1])
-    flat_weights = weights.reshape(-1).float()
-    intermediate = w2.in_features
-    for expert in torch.unique(flat_ids).tolist():
-        if expert < 0:
-            continue
-        pairs = (flat_ids == expert).nonzero(as_tuple=True)[0]
-        tokens = token_of_pair[pairs]
-        gate_up = gemm_quantized(x[tokens], expert_slice(w13, expert))
-        hidden_act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        y = gemm_quantized(hidden_act, expert_slice(w2, expert), out_dtype=torch.float32)
-        out.index_add_(0, tokens, y * flat_weights[pairs, None])
-    return out.to(x.dtype)
+    return each_expert(x, weights, ids, w2.in_features,
+                       lambda rows, e: gemm_quantized(rows, expert_slice(w13, e)),
+                       lambda rows, e: gemm_quantized(rows, expert_slice(w2, e), out_dtype=torch.float32))
