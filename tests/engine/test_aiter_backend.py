@@ -183,3 +183,14 @@ def test_experts_of_other_ranks_add_nothing(double, scheme):
     assert got[2].abs().max() == 0  # a token with no local expert
     bound = 0.02 if scheme is None else 0.04  # FP8: AITER quantizes the intermediate in its own groups
     assert (got.float() - expected.float()).norm() / expected.float().norm() < bound
+
+
+def test_rope_tables_are_converted_once_per_model_table(double):
+    """AITER's cos/sin come from our float32 table once (keyed by that table), not once per step."""
+    from engine.kernels.aiter import ops as aiter_ops
+    table = torch.randn(64, 32)
+    positions = torch.arange(5)
+    for _ in range(3):
+        aiter_ops.rotary_embedding(positions, torch.randn(5, 2, 32).bfloat16(), torch.randn(5, 1, 32).bfloat16(),
+                                   table, True)
+    assert sum(key[0] == table.data_ptr() for key in aiter_ops._ROPE_TABLES) == 1

@@ -83,14 +83,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 _ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _cos_sin(cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin(cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Our [max_position, rotary_dim] table (cos half, then sin half) as AITER's cos and sin
-    [max_position, 1, 1, rotary_dim / 2], made once per table."""
-    key = (cos_sin_cache.data_ptr(), tuple(cos_sin_cache.shape), cos_sin_cache.dtype)
+    [max_position, 1, 1, rotary_dim / 2] in `dtype`, made once per table (a model's tables live as long as
+    the process)."""
+    key = (cos_sin_cache.data_ptr(), tuple(cos_sin_cache.shape), dtype)
     if key not in _ROPE_TABLES:
         half = cos_sin_cache.shape[-1] // 2
-        cos = cos_sin_cache[:, :half].contiguous()[:, None, None, :]
-        sin = cos_sin_cache[:, half:].contiguous()[:, None, None, :]
+        cos = cos_sin_cache[:, :half].to(dtype).contiguous()[:, None, None, :]
+        sin = cos_sin_cache[:, half:].to(dtype).contiguous()[:, None, None, :]
         _ROPE_TABLES[key] = (cos, sin)
     return _ROPE_TABLES[key]
 
@@ -102,7 +103,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     rotated part is the first rotary_dim features (nope_first=False), as in HF's partial rotary."""
     import aiter
     query, key = query.contiguous(), key.contiguous()
-    cos, sin = _cos_sin(cos_sin_cache.to(query.dtype))
+    cos, sin = _cos_sin(cos_sin_cache, query.dtype)
     num_tokens = query.shape[0]
     aiter.rope_cached_positions_2c_fwd_inplace(
         query.view(1, num_tokens, *query.shape[1:]), key.view(1, num_tokens, *key.shape[1:]), cos, sin,
