@@ -90,6 +90,18 @@ def timed_generate(llm, prompts, params) -> float:
     return time.perf_counter() - start
 
 
+def decode_rate(llm, prompt: list[int], new_tokens: int) -> float:
+    """Decode tokens/s of one sequence: the best of three full generations less the best of three prefills
+    (after a warm-up)."""
+    from engine import SamplingParams
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
+    timed_generate(llm, [prompt], many)  # warm-up
+    prefill = min(timed_generate(llm, [prompt], one) for _ in range(3))
+    total = min(timed_generate(llm, [prompt], many) for _ in range(3))
+    return new_tokens / (total - prefill)
+
+
 # ---- latency ----------------------------------------------------------------------------------------------
 def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants: tuple[str, ...] = (),
                         alternate: int = 0, residual_dtype: str = "auto") -> dict:
@@ -100,12 +112,7 @@ def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants
     runner = engine.executor.runner
 
     def rate():
-        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        many = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
-        timed_generate(llm, [prompt], many)  # warm-up
-        prefill = min(timed_generate(llm, [prompt], one) for _ in range(3))
-        total = min(timed_generate(llm, [prompt], many) for _ in range(3))
-        return new_tokens / (total - prefill)
+        return decode_rate(llm, prompt, new_tokens)
 
     results = {"backend": runner.kernel_backend.name, "graphs_and_run_ahead": rate()}
     engine._run_ahead = False

@@ -23,8 +23,8 @@ import torch
 
 from benchmarks.common import environment_record, print_table
 from benchmarks.device_limits import device_limits
-from benchmarks.gpu_perf import (MAX_NUM_SEQS, free_gpu, model_facts, random_prompts, throughput_workload,
-                                 timed_generate)
+from benchmarks.gpu_perf import (MAX_NUM_SEQS, decode_rate, free_gpu, model_facts, random_prompts,
+                                 throughput_workload, timed_generate)
 
 SCHEMES = ("fp8_block", "fp8_channel", "fp8_tensor")
 
@@ -38,16 +38,6 @@ def quantized_weight_bytes(facts: dict, config, scheme: str | None) -> float:
     quantized = facts["weight_bytes_per_step"] / 2 - head
     scale_bytes = {"fp8_block": quantized / (128 * 128) * 4, "fp8_channel": 0.0, "fp8_tensor": 0.0}[scheme]
     return quantized + scale_bytes + head * 2
-
-
-def decode_rate(llm, prompt: list[int], new_tokens: int) -> float:
-    from engine import SamplingParams
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
-    timed_generate(llm, [prompt], many)
-    prefill = min(timed_generate(llm, [prompt], one) for _ in range(3))
-    total = min(timed_generate(llm, [prompt], many) for _ in range(3))
-    return new_tokens / (total - prefill)
 
 
 def decode(args) -> dict:
