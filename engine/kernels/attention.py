@@ -3,7 +3,7 @@ metadata into what its kernels need, and runs paged attention (cache write inclu
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,12 @@ class CommonAttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     num_computed_tokens_cpu: list[int]
+    # Every paged cache group's block table and slots ((ratio, window) -> engine.kv_cache_spec.
+    # CacheGroupMetadata; `block_table` / `slot_mapping` above are the full group's, or the first group's
+    # where there is none), and each sequence's state-pool slot ([num_seqs] int64; None without a state pool).
+    groups: dict = field(default_factory=dict)
+    state_slots: torch.Tensor | None = None
+    state_slots_cpu: list[int] = field(default_factory=list)
 
 
 Rope = tuple  # (positions [T], cos_sin_cache [max_position, rotary_dim], is_neox)

@@ -1,7 +1,6 @@
 """Multi-head latent attention's dispatch point (DeepSeek-V2/V3, Kimi-K2): the latent-cache write, prefill
-over expanded keys and values, and decode with the absorbed weights, behind one function. Only the torch
-reference exists so far; the Triton and AITER kernels (`mla_decode_fwd`, `mla_prefill_fwd`,
-`concat_and_cache_mla`) plug in here.
+over expanded keys and values, and decode with the absorbed weights, behind one function (the backends'
+`mla_attention` op); and sparse latent attention over listed entries (`mla_sparse_attention`).
 
 Cache layout, per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one entry per token
 (the normalised latent, then the rotated shared rope key), the same on every TP rank."""
@@ -32,10 +31,6 @@ class MLAWeights:
         return self.w_uv.shape[1]
 
 
-def mla_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, qk_rope_head_dim: int) -> tuple[int, ...]:
-    return (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)
-
-
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                   kv_cache: torch.Tensor | None, metadata, weights: MLAWeights, scale: float,
                   block_size: int) -> torch.Tensor:
@@ -43,6 +38,18 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     attend: q_nope [T, H, qk_nope], q_pe [T, H, R] (rotated) -> [T, H, v]. Decodes (the metadata's leading
     one-token sequences) attend in latent space; prefill chunks over keys and values expanded from the
     cached latents, causally, bottom-right aligned. `kv_cache` None: the profiling pass (no cache yet,
-    prefills only)."""
-    from engine.kernels.torch import mla as reference
-    return reference.mla_attention(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights, scale, block_size)
+    prefills only). The active backend's `mla_attention` op."""
+    from engine.kernels import ops
+    return ops.mla_attention(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights, scale, block_size)
+
+
+def mla_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float,
+                         v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse latent attention (DeepSeek-V3.2's selected keys, DeepSeek-V4's window and compressed scopes):
+    query row t (q [T, H, D]) attends, as one KV head shared by its H heads, to the cache entries at
+    `slots[t]` ([T, K] slot ids into `kv_cache` viewed as [-1, D]; -1 marks no entry). Keys are whole entries,
+    values their first `v_dim` dims. Returns out [T, H, v_dim] (q's dtype) and lse [T, H] (float32, the
+    log-sum-exp of the scaled scores: scopes computed apart merge by it); a row with no entry gives zeros and
+    -inf. The active backend's `mla_sparse_attention` op."""
+    from engine.kernels import ops
+    return ops.mla_sparse_attention(q, kv_cache, slots, scale, v_dim)

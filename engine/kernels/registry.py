@@ -46,6 +46,11 @@ OPS = (
     "gemm_mxfp4",
     "fused_experts_fp8",    # (x, w13: QuantizedWeight [E,2I,H], w2: QuantizedWeight [E,H,I], weights, ids)
     "fused_experts_mxfp4",  #   -> [T,H], as fused_experts
+    # Multi-head latent attention (engine/kernels/mla.py states the contracts):
+    "mla_attention",        # (q_nope[T,H,N], q_pe[T,H,R], latent[T,L], k_pe[T,R], kv_cache, metadata, weights: MLAWeights,
+                            #   scale, block_size) -> [T,H,V]: writes the step's latent entries, then attends
+    "mla_sparse_attention", # (q[T,H,D], kv_cache [..., D] entries, slots[T,K] int (-1: none), scale, v_dim)
+                            #   -> (out[T,H,v_dim] in q's dtype, lse[T,H] fp32): each query over its listed entries
 )
 
 

@@ -8,19 +8,29 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.kernels import active_backend
 from engine.kernels.attention import KVCacheQuant
+from engine.kv_cache_spec import CacheSpec, PagedSpec
 
 
 class KVCacheLayer(nn.Module):
-    """A layer that keeps per-token entries in the paged KV cache. The runner asks each such layer for the
-    shape of its cache (and of its FP8 per-token scales), allocates them and binds `kv_cache` / `kv_quant`;
-    nothing else decides a layout."""
-    kv_cache: torch.Tensor | None
-    kv_quant: KVCacheQuant | None
+    """A layer that keeps caches: per-token (or per-`ratio`-token) entries in the page pool, per-request state
+    in the state pool (engine/kv_cache_spec.py). It declares them in `cache_specs()` (name -> spec); the
+    runner groups layers by spec, sizes both pools, allocates every tensor and binds them with
+    `bind_caches` (name -> tensor: [num_blocks of the spec's group, ...] for a PagedSpec, [num_slots, *shape]
+    for a StateSpec); nothing else decides a layout. The cache named "kv" is also `kv_cache`. FP8 caches:
+    a layer that supports them (`supports_fp8_kv_cache`) keeps its "kv" cache in the runner's FP8 dtype,
+    with per-token scales of `kv_scale_shape`."""
+    kv_cache: torch.Tensor | None = None
+    kv_quant: KVCacheQuant | None = None
+    caches: dict[str, torch.Tensor] | None = None
     supports_fp8_kv_cache = True  # whether the layer can keep an FP8 cache (KVCacheQuant)
     supports_cuda_graphs = True   # whether its decode step can be captured (with a backend that can)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    def cache_specs(self) -> dict[str, CacheSpec]:
         raise NotImplementedError
+
+    def bind_caches(self, caches: dict[str, torch.Tensor]) -> None:
+        self.caches = caches
+        self.kv_cache = caches.get("kv")
 
     def kv_scale_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the per-token key scales (and of the value scales) of an FP8 cache."""
@@ -34,9 +44,7 @@ class Attention(KVCacheLayer):
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
-        self.backend = active_backend().attention
-        self.kv_cache: torch.Tensor | None = None  # bound by the model runner, layout chosen by the backend
-        self.kv_quant: KVCacheQuant | None = None  # an FP8 cache's scales, bound with it
+        self.backend = active_backend().attention  # its layout is the "kv" cache's; the runner binds it
         # Per-tensor FP8 KV-cache scales from a checkpoint that has them (k_scale / v_scale), else 1.0.
         self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
         self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
@@ -45,8 +53,10 @@ class Attention(KVCacheLayer):
             param.weight_loader = self._kv_scale_loader
             param.check_loaded = lambda param, shards: None  # optional
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return self.backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_size)
+    def cache_specs(self) -> dict[str, CacheSpec]:
+        def layout(num_blocks: int, block_size: int) -> tuple[int, ...]:
+            return self.backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_size)
+        return {"kv": PagedSpec((2, self.num_kv_heads, self.head_size), layout=layout)}
 
     def kv_scale_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return self.backend.kv_scale_shape(num_blocks, block_size, self.num_kv_heads)

@@ -20,8 +20,9 @@ import torch
 
 from engine.forward_context import get_forward_context
 from engine.kernels import ops
-from engine.kernels.mla import MLAWeights, mla_attention, mla_cache_shape
+from engine.kernels.mla import MLAWeights, mla_attention
 from engine.kernels.quant import dequantize_weight
+from engine.kv_cache_spec import CacheSpec, PagedSpec
 from engine.layers.attention import KVCacheLayer
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, shard_range
@@ -84,12 +85,11 @@ class MLAAttention(KVCacheLayer):
         self.rotary_emb = RotaryEmbedding(config, self.qk_rope_head_dim, self.qk_rope_head_dim,
                                           config.max_position_embeddings, is_neox_style=is_neox)
         self.scale = mla_softmax_scale(config, self.qk_head_dim)
-        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
-        self.kv_quant = None
         self._weights: MLAWeights | None = None
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return mla_cache_shape(num_blocks, block_size, self.kv_lora_rank, self.qk_rope_head_dim)
+    def cache_specs(self) -> dict[str, CacheSpec]:
+        """One latent entry per token (kv_lora_rank + qk_rope_head_dim), the same on every TP rank."""
+        return {"kv": PagedSpec((self.kv_lora_rank + self.qk_rope_head_dim,), kind="mla")}
 
     def kv_scale_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         raise NotImplementedError("MLA layers keep no FP8 cache")

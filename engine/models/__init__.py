@@ -7,7 +7,10 @@ import importlib
 _MODELS = {
     "DeepseekV2ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("engine.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("engine.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "Glm4MoeForCausalLM": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("engine.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "MiniMaxM2ForCausalLM": ("engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),

@@ -156,7 +156,7 @@ class ModelRunner:
         element_size = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         total = 0
         for layer in self.cache_layers:
-            total += int(np.prod(layer.kv_cache_shape(1, self.block_size))) * element_size
+            total += int(np.prod(layer.cache_specs()["kv"].shape(1, self.block_size))) * element_size
             if self.kv_scale_granularity == "token":  # float32 key and value scales per token and KV head
                 total += 2 * 4 * int(np.prod(layer.kv_scale_shape(1, self.block_size)))
         return total
@@ -193,11 +193,11 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_kv_blocks = num_blocks
         for layer in self.cache_layers:
-            shape = layer.kv_cache_shape(num_blocks, self.block_size)
+            shape = layer.cache_specs()["kv"].shape(num_blocks, self.block_size)
             # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN. Written,
             # not calloc'ed: on CPU, torch.zeros maps pages that become resident only when first written, so
             # the process would grow by up to the whole cache while serving (and could be killed for it then).
-            layer.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device).zero_()
+            layer.bind_caches({"kv": torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device).zero_()})
             layer.kv_quant = self._kv_quant(layer, num_blocks)
         if self.config.fp8_kv_cache:
             logger.info("KV cache: %s with %s scales", self.kv_cache_dtype, self.kv_scale_granularity)

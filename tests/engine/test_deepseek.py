@@ -217,7 +217,7 @@ def _prefill_then_decode_logits(model, prompt: list[int], block_size: int = 4) -
     num_blocks = -(-len(prompt) // block_size)
     layers = [m for m in model.modules() if isinstance(m, MLAAttention)]
     for layer in layers:
-        layer.kv_cache = torch.zeros(layer.kv_cache_shape(num_blocks, block_size))
+        layer.bind_caches({"kv": torch.zeros(layer.cache_specs()["kv"].shape(num_blocks, block_size))})
     block_table = torch.arange(num_blocks, dtype=torch.int32)[None]
     n = len(prompt) - 1
     steps = [(_metadata(0, [n], [n], block_table, torch.arange(n)), prompt[:n], torch.arange(n)),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.torch import moe, ops, quant
+from engine.kernels.torch import mla, moe, ops, quant
 from engine.kernels.torch.attention import TorchAttentionBackend
 from engine.kernels.torch.sampling import sample
 
@@ -26,6 +26,8 @@ BACKEND = KernelBackend(
         "gemm_mxfp4": quant.gemm_quantized,
         "fused_experts_fp8": quant.fused_experts_quantized,
         "fused_experts_mxfp4": quant.fused_experts_quantized,
+        "mla_attention": mla.mla_attention,
+        "mla_sparse_attention": mla.mla_sparse_attention,
     },
     attention=TorchAttentionBackend,
 )

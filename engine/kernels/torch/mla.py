@@ -79,3 +79,30 @@ def decode_absorbed(q_nope, q_pe, kv_cache, metadata, weights: MLAWeights, scale
     out_latent = F.scaled_dot_product_attention(query, entries, entries[..., :kv_lora_rank], attn_mask=mask,
                                                 scale=scale)[:, 0]  # [B, H, L]
     return torch.einsum("bhl,hvl->bhv", out_latent, weights.w_uv)
+
+
+def mla_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float,
+                         v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row attends, as one KV head shared by its H heads, to the cache entries at its `slots`
+    (keys: the whole entry; values: its first `v_dim` dims). Returns the output and the log-sum-exp of the
+    scaled scores; a row with no valid slot gives zeros and -inf. Rows go in chunks so that the gathered
+    entries stay within a fixed memory budget."""
+    num_tokens, num_heads, dim = q.shape
+    entries_all = kv_cache.reshape(-1, kv_cache.shape[-1])
+    out = q.new_zeros(num_tokens, num_heads, v_dim)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    top_k = slots.shape[1]
+    chunk = max(1, (1 << 24) // max(1, top_k * dim))
+    for begin in range(0, num_tokens, chunk):
+        end = min(begin + chunk, num_tokens)
+        rows = slots[begin:end].long()
+        valid = rows >= 0
+        entries = entries_all[rows.clamp(min=0)].float()  # [t, K, D]
+        scores = torch.einsum("thd,tkd->thk", q[begin:end].float(), entries) * scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [t, H]
+        probs = torch.exp(scores - row_lse[..., None].clamp(min=torch.finfo(torch.float32).min))
+        probs = torch.nan_to_num(probs.masked_fill(~valid[:, None, :], 0.0))
+        out[begin:end] = torch.einsum("thk,tkv->thv", probs, entries[..., :v_dim]).to(q.dtype)
+        lse[begin:end] = row_lse
+    return out, lse

@@ -1,0 +1,103 @@
+"""What each cache-keeping layer stores, declared per layer (`KVCacheLayer.cache_specs`), so that the runner,
+not the layer or the attention backend, sizes and allocates memory.
+
+Two pools:
+- the **page pool** grows with cached tokens. A `PagedSpec` keeps one entry per token (full attention, an MLA
+  latent, an indexer key), one per `ratio` tokens (a compressed cache), or only the entries of the last
+  `window` tokens (a sliding window). Layers whose specs share (ratio, window) form a *group* and share one
+  block table per request; a block of a group holds `block_size` entries (so `block_size * ratio` tokens).
+  Sliding-window groups give back blocks that fall wholly outside every future query's window.
+- the **state pool** grows with running requests. A `StateSpec` keeps one fixed-size tensor per running
+  request (a recurrent state, a compressor's partial window); a request takes a slot at admission (zeroed
+  by the runner) and gives it back at finish or preemption (preemption recomputes, so state is dropped).
+
+At forward time a layer finds its group's block table and slots in the step metadata
+(`CommonAttentionMetadata.groups[spec.group]`, a `CacheGroupMetadata`) and its requests' state slots in
+`CommonAttentionMetadata.state_slots`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+FULL_GROUP = (1, None)  # (ratio, window) of caches with one entry for every token
+
+
+@dataclass(frozen=True)
+class PagedSpec:
+    """Entries in the page pool. The cache tensor is [num_blocks, block_size, *entry_shape] in `dtype`, unless
+    `layout` (an attention backend's) gives another shape with the same number of elements per block."""
+    entry_shape: tuple[int, ...]
+    dtype: torch.dtype | None = None  # None: the runner's KV dtype (the model's, or FP8 for kv_cache_dtype="fp8")
+    ratio: int = 1                    # tokens per entry: entry e covers tokens [e * ratio, (e + 1) * ratio)
+    window: int | None = None         # only the entries of the last `window` tokens (the query's included) are read
+    kind: str = "attention"           # for start-up logs: attention, mla, indexer, sliding_window, compressed...
+    layout: Callable[[int, int], tuple[int, ...]] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.ratio < 1:
+            raise ValueError(f"a paged cache's ratio must be >= 1, got {self.ratio}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"a sliding window must be >= 1 token, got {self.window}")
+
+    @property
+    def group(self) -> tuple[int, int | None]:
+        return (self.ratio, self.window)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether a cached prefix's entries are exactly what recomputing it would store, and all kept: true
+        of one-entry-per-token caches only (a window drops old entries; a compressed entry at a block
+        boundary may still be partial)."""
+        return self.group == FULL_GROUP
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        if self.layout is not None:
+            return tuple(self.layout(num_blocks, block_size))
+        return (num_blocks, block_size, *self.entry_shape)
+
+    def bytes_per_block(self, block_size: int, default_dtype: torch.dtype) -> int:
+        dtype = self.dtype or default_dtype
+        return int(np.prod(self.shape(1, block_size))) * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One tensor of `shape` per running request, in the state pool (allocated [num_slots, *shape])."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None  # None: the model's dtype
+    kind: str = "state"
+
+    def bytes_per_slot(self, default_dtype: torch.dtype) -> int:
+        dtype = self.dtype or default_dtype
+        return int(np.prod(self.shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+CacheSpec = PagedSpec | StateSpec
+
+
+@dataclass
+class CacheGroupMetadata:
+    """One paged group's view of a step: `block_table` [num_seqs, max_blocks] int32 (block ids of the group's
+    pool; blocks a sliding window gave back read as 0, whose entries are not this request's), and
+    `slot_mapping` [num_tokens] int64: for each of the step's tokens, the slot of the entry holding it (entry
+    pos // ratio, slot = block_table[e // block_size] * block_size + e % block_size). `block_size` counts
+    entries. Host copies for the torch reference."""
+    ratio: int
+    window: int | None
+    block_size: int
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table_cpu: np.ndarray
+
+
+def entry_slots(block_table: torch.Tensor, entries: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of entry indices `entries` [..., K] of each row's sequence (block_table [rows, blocks],
+    entries broadcast per row; a negative entry gives -1)."""
+    valid = entries >= 0
+    safe = entries.clamp(min=0)
+    blocks = torch.gather(block_table.long(), 1, (safe // block_size).view(block_table.shape[0], -1)).view_as(safe)
+    return torch.where(valid, blocks * block_size + safe % block_size, torch.full_like(safe, -1))
