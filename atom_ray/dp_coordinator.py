@@ -149,6 +149,8 @@ class DPCoordinator(ClientOutboxes):
                     total[key] = total.get(key, 0) + value
         if total.get("num_kv_blocks"):
             total["kv_cache_usage"] = 1.0 - total.get("num_free_kv_blocks", 0) / total["num_kv_blocks"]
+        if total.get("num_state_slots"):
+            total["state_slot_usage"] = 1.0 - total.get("num_free_state_slots", 0) / total["num_state_slots"]
         total["dp_ranks"] = ranks
         total["affinity_routed_requests"] = self.affinity_routed
         total["error"] = repr(self._error) if self._error is not None else None

@@ -51,9 +51,12 @@ class RayExecutor:
     def determine_num_kv_blocks(self) -> int:
         return min(self._on_every_rank("determine_num_kv_blocks"))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._on_every_rank("initialize_kv_cache", num_blocks)
+    def initialize_kv_cache(self, num_blocks: int):
+        """Every rank allocates its caches for `num_blocks`; the layout (the same group and slot counts on
+        every rank) is rank 0's."""
+        layouts = self._on_every_rank("initialize_kv_cache", num_blocks)
         self._follow_refs = [peer.follow.remote() for peer in self.peers]
+        return layouts[0]
 
     def execute_async(self, scheduled: SchedulerOutput):
         """Rank 0 shares the plan with its peers and launches it; `.result()` gives its RunnerOutput."""

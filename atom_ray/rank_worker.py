@@ -31,8 +31,8 @@ class RankWorker:
     async def determine_num_kv_blocks(self) -> int:
         return await self._off_loop(self.worker.determine_num_kv_blocks)
 
-    async def initialize_kv_cache(self, num_blocks: int) -> None:
-        await self._off_loop(self.worker.initialize_kv_cache, num_blocks)
+    async def initialize_kv_cache(self, num_blocks: int):
+        return await self._off_loop(self.worker.initialize_kv_cache, num_blocks)
 
     async def follow(self) -> None:
         await self._off_loop(self.worker.follow)

@@ -101,3 +101,67 @@ def entry_slots(block_table: torch.Tensor, entries: torch.Tensor, block_size: in
     safe = entries.clamp(min=0)
     blocks = torch.gather(block_table.long(), 1, (safe // block_size).view(block_table.shape[0], -1)).view_as(safe)
     return torch.where(valid, blocks * block_size + safe % block_size, torch.full_like(safe, -1))
+
+
+@dataclass(frozen=True)
+class CacheGroupLayout:
+    """One paged group as allocated: its (ratio, window), its blocks, the bytes one block takes on a rank,
+    and the kinds of cache in it (for logs)."""
+    ratio: int
+    window: int | None
+    num_blocks: int
+    bytes_per_block: int = 0
+    kinds: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        return (self.ratio, self.window)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return self.key == FULL_GROUP
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Both pools of a runner's caches, as the scheduler must know them: the paged groups (the first is the
+    full group where the model has one) and the state slots (0: no state pool)."""
+    block_size: int
+    groups: tuple[CacheGroupLayout, ...]
+    num_state_slots: int = 0
+    state_bytes_per_slot: int = 0
+
+    @property
+    def prefix_caching_blocker(self) -> str | None:
+        """Why a cached prefix could not be reused exactly (every reason), or None."""
+        reasons = []
+        for group in self.groups:
+            if not group.prefix_cacheable:
+                what = (f"a sliding window of {group.window} tokens" if group.window
+                        else f"one entry per {group.ratio} tokens")
+                reasons.append(f"its {'/'.join(group.kinds) or 'cache'} layers keep {what}")
+        if self.num_state_slots:
+            reasons.append("it keeps per-request state (a cached prefix has no saved state)")
+        return "; ".join(reasons) or None
+
+    @classmethod
+    def single(cls, num_blocks: int, block_size: int) -> "CacheLayout":
+        """One full-attention group: what every model without other specs has."""
+        return cls(block_size, (CacheGroupLayout(1, None, num_blocks),))
+
+
+def group_blocks_for(key: tuple[int, int | None], num_token_blocks: int, block_size: int, max_num_seqs: int,
+                     max_num_batched_tokens: int) -> int:
+    """Blocks a group gets when the cache holds `num_token_blocks` blocks' worth of tokens: all of them for a
+    full group; 1/ratio of them plus a partial block per running request for a compressed group; for a
+    sliding window, what every running request's window plus one step's new tokens can occupy (never more
+    than a full group's)."""
+    ratio, window = key
+    if window is not None:
+        if ratio != 1:
+            raise ValueError("a sliding window over compressed entries is not supported")
+        per_request = -(-(window - 1) // block_size) + 2
+        return max(1, min(num_token_blocks, max_num_seqs * per_request + -(-max_num_batched_tokens // block_size)))
+    if ratio == 1:
+        return num_token_blocks
+    return max(1, min(num_token_blocks, -(-num_token_blocks // ratio) + max_num_seqs))

@@ -12,12 +12,13 @@ import time
 from typing import Protocol
 
 from engine.config import ConfigError, EngineConfig
-from engine.core.block_manager import BlockManager
+from engine.core.block_manager import KVCacheManager
 from engine.core.output_processor import OutputProcessor
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.errors import InvalidRequestError
+from engine.kv_cache_spec import CacheLayout
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 class Executor(Protocol):
     def determine_num_kv_blocks(self) -> int: ...
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def initialize_kv_cache(self, num_blocks: int) -> "CacheLayout | None": ...
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
     def execute_async(self, scheduled: SchedulerOutput): ...  # in-process: has .result(); Ray: an ObjectRef
     def shutdown(self) -> None: ...
@@ -54,8 +55,8 @@ class InProcessExecutor:
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int) -> CacheLayout:
+        return self.runner.initialize_kv_cache(num_blocks)
 
     @property
     def runs_asynchronously(self) -> bool:
@@ -127,11 +128,12 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, fewer than one sequence "
                 f"of max_model_len={self.max_model_len} needs ({needed}); lower max_model_len or give the "
                 "cache more memory (num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)")
-        self.executor.initialize_kv_cache(num_blocks)
+        # The pools as the runners allocated them (an executor that reports none has one full group).
+        layout = self.executor.initialize_kv_cache(num_blocks) or CacheLayout.single(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill, config.long_prefill_token_threshold),
-            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
+            KVCacheManager(layout, config.enable_prefix_caching))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_source = random.Random(config.seed)
         self._run_ahead = getattr(self.executor, "runs_asynchronously", False)
@@ -285,6 +287,7 @@ class LLMEngine:
             "num_free_kv_blocks": block_manager.num_free_blocks,
             "prefix_cache_queries": block_manager.prefix_cache_queries,
             "prefix_cache_hits": block_manager.prefix_cache_hits,
+            **block_manager.stats(),
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generated_tokens_total,

@@ -22,7 +22,9 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _ENGINE_GAUGES = (
     ("num_requests_running", "num_running", "Sequences in the engine's running batch."),
     ("num_requests_waiting", "num_waiting", "Sequences waiting to be scheduled."),
-    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (0 to 1)."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (0 to 1), all cache groups."),
+    ("state_slot_usage_perc", "state_slot_usage",
+     "Fraction of per-request state slots in use (0 to 1; 0 for models without per-request state)."),
 )
 _ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -38,6 +40,7 @@ _DP_RANK_GAUGES = (
     ("dp_num_requests_running", "num_running", "Sequences in this DP rank's running batch."),
     ("dp_num_requests_waiting", "num_waiting", "Sequences waiting in this DP rank's scheduler."),
     ("dp_kv_cache_usage_perc", "kv_cache_usage", "Fraction of this DP rank's KV cache blocks in use."),
+    ("dp_state_slot_usage_perc", "state_slot_usage", "Fraction of this DP rank's per-request state slots in use."),
 )
 _DP_RANK_COUNTERS = (
     ("dp_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in this DP rank's prefix cache."),

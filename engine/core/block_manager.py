@@ -1,9 +1,13 @@
-"""Paged KV-cache block manager with prefix caching.
+"""Paged KV-cache block managers with prefix caching, and the manager of every cache pool a model has.
 
 Blocks are reference counted. A full block whose KV has been computed is registered under a chained hash
 of its tokens (each hash covers every token before it), so later requests with the same prefix reuse it.
 Freed blocks keep their hash and go to the tail of the free queue; allocation takes the head, so the
 least recently freed cached block is evicted first.
+
+A model's caches form groups (engine/kv_cache_spec.py): one BlockManager per paged group (its entries per
+token `1 / ratio`, its sliding window), plus a slot pool for per-request state. `KVCacheManager` admits a
+request only when every group has its blocks and, if the model keeps state, a slot is free.
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.core.request import Request
+from engine.core.request import GroupBlocks, Request
+from engine.kv_cache_spec import CacheLayout
 
 
 @dataclass
@@ -27,10 +32,17 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        assert num_blocks > 0 and block_size > 0
+    """The blocks of one paged cache group: `ratio` tokens per entry, `block_size` entries per block; with a
+    `window`, only the last `window` tokens' entries are kept (blocks wholly before the window of the next
+    query are given back). Prefix caching needs ratio 1 and no window. `group` indexes `Request.groups`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, ratio: int = 1,
+                 window: int | None = None, group: int = 0) -> None:
+        assert num_blocks > 0 and block_size > 0 and ratio >= 1
+        assert not (enable_prefix_caching and (ratio != 1 or window is not None)), "prefix caching needs full caches"
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.ratio, self.window, self.group = ratio, window, group
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # block id -> None, ordered from next-to-evict (head) to most recently freed (tail).
@@ -48,7 +60,34 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks that hold the entries of the first `num_tokens` tokens (released ones counted)."""
+        return -(-(-(-num_tokens // self.ratio)) // self.block_size)
+
+    def _blocks(self, request: Request) -> GroupBlocks:
+        while len(request.groups) <= self.group:
+            request.groups.append(GroupBlocks())
+        return request.groups[self.group]
+
+    def num_new_blocks(self, request: Request, num_new_tokens: int, cached_block_ids=()) -> int:
+        """Free blocks that `allocate` would take (after a window's release)."""
+        blocks = self._blocks(request)
+        num_tokens = request.num_computed_tokens + len(cached_block_ids) * self.block_size + num_new_tokens
+        needed = self.blocks_needed(num_tokens) - len(blocks.block_ids) - len(cached_block_ids)
+        reclaimed = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        return max(needed, 0) + reclaimed - self._releasable(request, blocks)
+
+    def _releasable(self, request: Request, blocks: GroupBlocks) -> int:
+        """Leading blocks no query from this step on reads: every entry lies before the window of the first
+        query (position num_computed_tokens reads positions > num_computed_tokens - window)."""
+        if self.window is None:
+            return 0
+        first_needed = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
+        return max(min(first_needed, len(blocks.block_ids)) - blocks.num_released, 0)
+
+    def _release_outside_window(self, request: Request, blocks: GroupBlocks) -> None:
+        for index in range(blocks.num_released, blocks.num_released + self._releasable(request, blocks)):
+            self._unref(blocks.block_ids[index])
+        blocks.num_released += self._releasable(request, blocks)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids holding the longest cached prefix of the request (at least one token is left to
@@ -68,35 +107,43 @@ class BlockManager:
         return hits
 
     def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
-        """Give the request enough blocks for its cached prefix plus `num_new_tokens` more tokens.
-        Returns False (and changes nothing) if there are not enough free blocks."""
-        num_tokens = request.num_computed_tokens + len(cached_block_ids) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_ids) - len(cached_block_ids)
-        reclaimed = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
-        if num_new_blocks > self.num_free_blocks - reclaimed:
+        """Give the request enough blocks for its cached prefix plus `num_new_tokens` more tokens (a window
+        first gives back the blocks it no longer reads). Returns False (and takes nothing) if there are not
+        enough free blocks."""
+        blocks = self._blocks(request)
+        if self.num_new_blocks(request, num_new_tokens, cached_block_ids) > self.num_free_blocks:
             return False
+        self._release_outside_window(request, blocks)
+        num_tokens = request.num_computed_tokens + len(cached_block_ids) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(blocks.block_ids) - len(cached_block_ids)
         for block_id in cached_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
         if cached_block_ids:
-            request.block_ids.extend(cached_block_ids)
-            request.num_cached_blocks = len(request.block_ids)
+            blocks.block_ids.extend(cached_block_ids)
+            request.num_cached_blocks = len(blocks.block_ids)
         for _ in range(max(num_new_blocks, 0)):
-            request.block_ids.append(self._take_free_block())
+            blocks.block_ids.append(self._take_free_block())
         return True
 
     def free(self, request: Request) -> None:
         # Tail blocks first, so that a request's prefix is the last of it to be evicted.
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-        request.block_ids = []
-        request.num_cached_blocks = 0
+        blocks = self._blocks(request)
+        for block_id in reversed(blocks.block_ids[blocks.num_released:]):
+            self._unref(block_id)
+        blocks.block_ids.clear()
+        blocks.num_released = 0
+        if self.group == 0:
+            request.num_cached_blocks = 0
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is now in the cache."""
@@ -139,3 +186,105 @@ class BlockManager:
             index = len(hashes)
             parent = hashes[-1] if hashes else b""
             hashes.append(hash_block(parent, tokens[index * size:(index + 1) * size]))
+
+
+class SlotPool:
+    """The state pool's slots: one per running request of a model that keeps per-request state."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    def take(self) -> int:
+        return self.free_slots.pop()
+
+    def give_back(self, slot: int) -> None:
+        assert slot not in self.free_slots, f"state slot {slot} freed twice"
+        self.free_slots.append(slot)
+
+
+class KVCacheManager:
+    """Every pool of one engine's caches behind the block manager's interface: one BlockManager per paged
+    group (the first also does prefix caching, where the layout allows it) and the state slots. A request
+    is admitted (`allocate`) only if every group has its blocks and a state slot is free; `free` gives all
+    back. Block counts and usage sum over the groups."""
+
+    def __init__(self, layout: CacheLayout, enable_prefix_caching: bool = True) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        prefix = enable_prefix_caching and layout.prefix_caching_blocker is None
+        self.managers = [BlockManager(g.num_blocks, layout.block_size, prefix and i == 0, g.ratio, g.window, i)
+                         for i, g in enumerate(layout.groups)]
+        self.slots = SlotPool(layout.num_state_slots) if layout.num_state_slots else None
+
+    @property
+    def main(self) -> BlockManager:
+        return self.managers[0]
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.main.enable_prefix_caching
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(m.num_blocks for m in self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(m.num_free_blocks for m in self.managers)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.main.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.main.prefix_cache_hits
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        return self.main.find_cached_prefix(request)
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        if self.slots is not None and request.state_slot is None and not self.slots.num_free:
+            return False
+        for index, manager in enumerate(self.managers):
+            cached = cached_block_ids if index == 0 else ()
+            if manager.num_new_blocks(request, num_new_tokens, cached) > manager.num_free_blocks:
+                return False
+        for index, manager in enumerate(self.managers):
+            assert manager.allocate(request, num_new_tokens, cached_block_ids if index == 0 else ())
+        if self.slots is not None and request.state_slot is None:
+            request.state_slot = self.slots.take()
+        return True
+
+    def free(self, request: Request) -> None:
+        for manager in self.managers:
+            manager.free(request)
+        if self.slots is not None and request.state_slot is not None:
+            self.slots.give_back(request.state_slot)
+            request.state_slot = None
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        self.main.cache_computed_blocks(request)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.main.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        """Both pools, for metrics: per-group blocks and the state slots."""
+        out = {"kv_cache_groups": [
+            {"ratio": m.ratio, "window": m.window, "num_blocks": m.num_blocks, "num_free_blocks": m.num_free_blocks}
+            for m in self.managers]}
+        total = self.slots.num_slots if self.slots is not None else 0
+        free = self.slots.num_free if self.slots is not None else 0
+        out.update(num_state_slots=total, num_free_state_slots=free,
+                   state_slot_usage=1.0 - free / total if total else 0.0)
+        return out

@@ -1,4 +1,5 @@
-"""Scheduler-side state of one request: its tokens, how many have KV computed, and its KV blocks."""
+"""Scheduler-side state of one request: its tokens, how many have KV computed, its KV blocks (per cache
+group) and its state-pool slot."""
 from __future__ import annotations
 
 import enum
@@ -22,6 +23,15 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass
+class GroupBlocks:
+    """A request's blocks in one paged cache group, in entry order. A sliding-window group gives back
+    leading blocks that no future query reads: the first `num_released` ids are then stale (the list keeps
+    their places, so that index = entry // block_size)."""
+    block_ids: list[int] = field(default_factory=list)
+    num_released: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -34,7 +44,8 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_pending_tokens: int = 0  # tokens being sampled by launched steps, not yet appended
-    block_ids: list[int] = field(default_factory=list)
+    groups: list[GroupBlocks] = field(default_factory=lambda: [GroupBlocks()])  # one per paged cache group
+    state_slot: int | None = None  # its slot in the state pool while running (models with per-request state)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks, in order
     num_cached_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
     status: RequestStatus = RequestStatus.WAITING
@@ -45,6 +56,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Its blocks in the first paged cache group (the full-attention one, where the model has one)."""
+        return self.groups[0].block_ids
 
     @property
     def num_prompt_tokens(self) -> int:

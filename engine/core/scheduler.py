@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.core.block_manager import BlockManager
+from engine.core.block_manager import BlockManager, KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
@@ -28,7 +28,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | KVCacheManager) -> None:
         self.config = config
         self.block_manager = block_manager
         # Prefills with more tokens left than this are long (see schedule); default half the budget.
@@ -123,7 +123,7 @@ class Scheduler:
             num_tokens = min(request.num_tokens_to_compute, self._budget)
             if num_tokens == 0 or request.will_finish_by_length:
                 continue
-            num_old_blocks = len(request.block_ids)
+            num_old_blocks = [len(group.block_ids) for group in request.groups]
             while not self.block_manager.allocate(request, num_tokens):
                 victim = next(r for r in reversed(self.running) if r.request_id not in out.num_scheduled_tokens)
                 self.running.remove(victim)
@@ -133,8 +133,10 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
+            new_blocks = [group.block_ids[num_old:] for group, num_old in
+                          zip(request.groups, num_old_blocks + [0] * (len(request.groups) - len(num_old_blocks)))]
             out.cached_requests.append(CachedRequestData(
-                request.request_id, request.block_ids[num_old_blocks:], request.num_computed_tokens))
+                request.request_id, new_blocks[0], request.num_computed_tokens, new_blocks[1:]))
             out.num_scheduled_tokens[request.request_id] = num_tokens
             self._budget -= num_tokens
         return preempted
@@ -171,7 +173,9 @@ class Scheduler:
             self.running.append(request)
             out.new_requests.append(NewRequestData(
                 request.request_id, list(request.token_ids), request.num_prompt_tokens,
-                request.sampling_params, list(request.block_ids), num_cached_tokens))
+                request.sampling_params, list(request.block_ids), num_cached_tokens,
+                [list(group.block_ids) for group in request.groups[1:]],
+                -1 if request.state_slot is None else request.state_slot))
             out.num_scheduled_tokens[request.request_id] = num_tokens
             self._budget -= num_tokens
             if long_ones:

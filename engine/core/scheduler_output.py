@@ -17,8 +17,10 @@ class NewRequestData:
     token_ids: list[int]  # prompt + any output tokens generated before a preemption
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # in the first paged cache group
     num_computed_tokens: int  # prefix-cache hit: KV already in these blocks
+    group_block_ids: list[list[int]] = field(default_factory=list)  # in the other groups, in order
+    state_slot: int = -1  # its state-pool slot (-1: the model keeps no per-request state)
 
 
 @dataclass
@@ -26,6 +28,7 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int  # before this step, for a consistency check on the runner
+    new_group_block_ids: list[list[int]] = field(default_factory=list)  # the other groups' new blocks
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 
 from engine.forward_context import forward_context
 from engine.kernels.attention import CommonAttentionMetadata
+from engine.kv_cache_spec import FULL_GROUP, CacheGroupMetadata
 from engine.runner.input_batch import HostInputs
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[self.max_model_len] * batch,
             num_computed_tokens_cpu=[self.max_model_len - 1] * batch)
+        # Captured only for models with one paged group, the full one (no host copy of its table).
+        common.groups = {FULL_GROUP: CacheGroupMetadata(1, None, self.block_size, block_table, slot_mapping, None)}
         return self.attn_backend.build_metadata(common, self.block_size)
 
     @torch.inference_mode()

@@ -19,11 +19,13 @@ class RunnerRequest:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # in the first paged cache group
     num_computed_tokens: int
     num_pending: int = 0  # sampled tokens not yet on the host (at most two: launched steps k-1 and k)
     pending_row: int = -1  # row of the newest pending token in its step's sampled ids
     pending_step: int = 0  # the step that samples the newest pending token
+    group_block_ids: list[list[int]] = field(default_factory=list)  # in the other paged groups, in order
+    state_slot: int = -1  # its state-pool slot (-1: none)
 
     @property
     def num_tokens(self) -> int:
@@ -52,22 +54,28 @@ class HostInputs:
     sampling_requests: list[RunnerRequest]
     # request id -> (hidden rows, target token ids) for prompt logprobs computed this step
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # The other paged groups' block tables and slot mappings (entry pos // ratio of each token), in order.
+    group_tables: list[np.ndarray] = field(default_factory=list)
+    group_slot_mappings: list[np.ndarray] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)  # each sequence's state-pool slot (-1: none)
 
     @property
     def is_decode_only(self) -> bool:
         return self.num_decodes == len(self.requests) and not self.prompt_logprob_rows
 
 
-def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, int], block_size: int) -> HostInputs:
-    """Advances each request's num_computed_tokens by its scheduled count."""
+def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, int], block_size: int,
+                        group_ratios: tuple[int, ...] = (1,)) -> HostInputs:
+    """Advances each request's num_computed_tokens by its scheduled count. `group_ratios`: tokens per entry
+    of each paged cache group (the first group's table is `block_table`)."""
     order = sorted((requests[request_id] for request_id in counts), key=lambda r: counts[r.request_id] != 1)
     num_decodes = sum(1 for r in order if counts[r.request_id] == 1)
     total = sum(counts.values())
     input_ids = np.zeros(total, dtype=np.int64)
     positions = np.empty(total, dtype=np.int64)
-    slot_mapping = np.empty(total, dtype=np.int64)
-    max_blocks = max(len(r.block_ids) for r in order)
-    block_table = np.zeros((len(order), max_blocks), dtype=np.int32)
+    tables = [np.zeros((len(order), max(len(r.block_ids) if g == 0 else len(r.group_block_ids[g - 1]) for r in order)),
+                       dtype=np.int32) for g in range(len(group_ratios))]
+    slot_mappings = [np.empty(total, dtype=np.int64) for _ in group_ratios]
     starts, seq_lens, computed = [0], [], []
     pending_positions, pending_rows = [], []
     logits_indices, sampling_requests, prompt_rows = [], [], {}
@@ -82,9 +90,12 @@ def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, in
             pending_positions.append(end - 1)
             pending_rows.append(request.pending_row)
         positions[begin:end] = np.arange(start, start + n)
-        blocks = np.asarray(request.block_ids, dtype=np.int64)
-        block_table[index, :len(blocks)] = blocks
-        slot_mapping[begin:end] = blocks[positions[begin:end] // block_size] * block_size + positions[begin:end] % block_size
+        for group, ratio in enumerate(group_ratios):
+            blocks = np.asarray(request.block_ids if group == 0 else request.group_block_ids[group - 1],
+                                dtype=np.int64)
+            tables[group][index, :len(blocks)] = blocks
+            entries = positions[begin:end] // ratio
+            slot_mappings[group][begin:end] = blocks[entries // block_size] * block_size + entries % block_size
         params = request.params
         if params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
             last = min(start + n, request.num_prompt_tokens - 1)
@@ -97,5 +108,7 @@ def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, in
             logits_indices.append(end - 1)
             sampling_requests.append(request)
         request.num_computed_tokens += n
-    return HostInputs(order, num_decodes, input_ids, pending_positions, pending_rows, positions, slot_mapping,
-                      starts, seq_lens, computed, block_table, logits_indices, sampling_requests, prompt_rows)
+    return HostInputs(order, num_decodes, input_ids, pending_positions, pending_rows, positions, slot_mappings[0],
+                      starts, seq_lens, computed, tables[0], logits_indices, sampling_requests, prompt_rows,
+                      group_tables=tables[1:], group_slot_mappings=slot_mappings[1:],
+                      state_slots=[r.state_slot for r in order])

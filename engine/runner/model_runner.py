@@ -18,6 +18,8 @@ from engine.core.scheduler_output import LogprobsLists, RunnerOutput, SchedulerO
 from engine.forward_context import forward_context
 from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant
 from engine.kernels.sampling import step_seed
+from engine.kv_cache_spec import (FULL_GROUP, CacheGroupLayout, CacheGroupMetadata, CacheLayout, PagedSpec,
+                                   StateSpec, group_blocks_for)
 from engine.layers.attention import Attention, KVCacheLayer
 from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
 from engine.loader import ModelSource, build_model
@@ -122,6 +124,9 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self.is_driver = get_parallel_state().tp_rank == 0
         self.num_kv_blocks = 0
+        self.layout: CacheLayout | None = None
+        self.state_tensors: list[torch.Tensor] = []
+        self._group_keys = self.cache_group_keys() or [FULL_GROUP]
         self.graphs: DecodeGraphs | None = None
         self._last_sampled: torch.Tensor | None = None  # device ids of the latest step, for pending tokens
         self._step = 0
@@ -152,25 +157,79 @@ class ModelRunner:
         use_tensor = with_scales and all(with_scales) and "tensor" in self.attn_backend.kv_scale_granularities
         return "tensor" if use_tensor else "token"
 
-    def kv_cache_bytes_per_block(self) -> int:
-        element_size = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        total = 0
+    def _spec_dtype(self, name: str, spec) -> torch.dtype:
+        """A cache's dtype: its spec's, else the KV dtype for the "kv" caches (FP8 where asked), else the model's."""
+        return spec.dtype or (self.kv_cache_dtype if name == "kv" else self.dtype)
+
+    def cache_group_keys(self) -> list[tuple[int, int | None]]:
+        """The paged groups, (ratio, window), the full group first."""
+        keys = {spec.group for layer in self.cache_layers for spec in layer.cache_specs().values()
+                if isinstance(spec, PagedSpec)}
+        return sorted(keys, key=lambda key: (key != FULL_GROUP, key[0], key[1] or 0))
+
+    def group_bytes_per_block(self) -> dict[tuple[int, int | None], int]:
+        """Bytes one block of each paged group takes on this rank (every layer's caches in it, FP8 KV scales
+        included)."""
+        out = dict.fromkeys(self.cache_group_keys(), 0)
         for layer in self.cache_layers:
-            total += int(np.prod(layer.cache_specs()["kv"].shape(1, self.block_size))) * element_size
-            if self.kv_scale_granularity == "token":  # float32 key and value scales per token and KV head
-                total += 2 * 4 * int(np.prod(layer.kv_scale_shape(1, self.block_size)))
-        return total
+            for name, spec in layer.cache_specs().items():
+                if not isinstance(spec, PagedSpec):
+                    continue
+                element_size = torch.empty((), dtype=self._spec_dtype(name, spec)).element_size()
+                out[spec.group] += int(np.prod(spec.shape(1, self.block_size))) * element_size
+                if name == "kv" and self.kv_scale_granularity == "token":  # float32 key and value scales
+                    out[spec.group] += 2 * 4 * int(np.prod(layer.kv_scale_shape(1, self.block_size)))
+        return out
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one block in every paged group together."""
+        return sum(self.group_bytes_per_block().values())
+
+    def state_bytes_per_slot(self) -> int:
+        return sum(spec.bytes_per_slot(self.dtype) for layer in self.cache_layers
+                   for spec in layer.cache_specs().values() if isinstance(spec, StateSpec))
+
+    def cache_layout(self, num_token_blocks: int) -> CacheLayout:
+        """Both pools when the cache holds `num_token_blocks` blocks' worth of tokens: each paged group's
+        blocks (engine.kv_cache_spec.group_blocks_for) and a state slot per schedulable request."""
+        per_block = self.group_bytes_per_block()
+        kinds: dict = {}
+        for layer in self.cache_layers:
+            for spec in layer.cache_specs().values():
+                if isinstance(spec, PagedSpec) and spec.kind not in kinds.setdefault(spec.group, []):
+                    kinds[spec.group].append(spec.kind)
+        groups = tuple(CacheGroupLayout(key[0], key[1], group_blocks_for(
+            key, num_token_blocks, self.block_size, self.config.max_num_seqs, self._max_batched_tokens),
+            per_block[key], tuple(kinds[key])) for key in per_block)
+        state_bytes = self.state_bytes_per_slot()
+        return CacheLayout(self.block_size, groups, self.config.max_num_seqs if state_bytes else 0, state_bytes)
+
+    @property
+    def _max_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens or 8192
+
+    def cache_bytes(self, layout: CacheLayout) -> int:
+        return (sum(g.num_blocks * g.bytes_per_block for g in layout.groups)
+                + layout.num_state_slots * layout.state_bytes_per_slot)
 
     def determine_num_kv_blocks(self) -> int:
-        """KV blocks this rank can hold: `num_kv_blocks` if given, else what the memory budget allows,
-        capped at what max_num_seqs full-length sequences could ever use."""
+        """How many blocks' worth of tokens this rank can cache (the full group's blocks; the other groups
+        are sized from it, see `cache_layout`): `num_kv_blocks` if given, else the most whose pools (state
+        slots included) fit the memory budget, capped at what max_num_seqs full-length sequences could use."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.uses_cuda and self.config.kv_cache_memory_bytes is None:
             self.profile_run()
         budget = kv_cache_budget_bytes(self.config, self.device, get_parallel_state().ranks_on_device)
         blocks_per_seq = -(-self.max_model_len // self.block_size)
-        return int(min(budget // self.kv_cache_bytes_per_block(), blocks_per_seq * self.config.max_num_seqs + 1))
+        low, high = 0, blocks_per_seq * self.config.max_num_seqs + 1
+        while low < high:  # the largest count whose pools fit (their bytes grow with it)
+            middle = (low + high + 1) // 2
+            if self.cache_bytes(self.cache_layout(middle)) <= budget:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -181,8 +240,10 @@ class ModelRunner:
         lens[-1] += num_tokens - sum(lens)
         starts = np.concatenate(([0], np.cumsum(lens))).tolist()
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        metadata = self._attention_metadata(0, starts, lens, [0] * num_seqs, np.zeros((num_seqs, 1), np.int32),
-                                            np.zeros(num_tokens, np.int64))
+        keys = self.cache_group_keys() or [FULL_GROUP]
+        metadata = self._attention_metadata(0, starts, lens, [0] * num_seqs,
+                                            [np.zeros((num_seqs, 1), np.int32)] * len(keys),
+                                            [np.zeros(num_tokens, np.int64)] * len(keys), [-1] * num_seqs, keys)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         with forward_context(metadata, self.block_size):
             hidden = self.model(input_ids, positions)
@@ -190,15 +251,36 @@ class ModelRunner:
         del hidden
         torch.cuda.synchronize(self.device)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int) -> CacheLayout:
+        """Allocate both pools for `num_blocks` blocks' worth of tokens, bind every layer's caches, and
+        return the layout (the scheduler's block managers and state slots follow it)."""
         self.num_kv_blocks = num_blocks
+        self.layout = layout = self.cache_layout(num_blocks)
+        blocks = {group.key: group.num_blocks for group in layout.groups}
+        self.state_tensors = []
         for layer in self.cache_layers:
-            shape = layer.cache_specs()["kv"].shape(num_blocks, self.block_size)
-            # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN. Written,
-            # not calloc'ed: on CPU, torch.zeros maps pages that become resident only when first written, so
-            # the process would grow by up to the whole cache while serving (and could be killed for it then).
-            layer.bind_caches({"kv": torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device).zero_()})
-            layer.kv_quant = self._kv_quant(layer, num_blocks)
+            caches = {}
+            for name, spec in layer.cache_specs().items():
+                dtype = self._spec_dtype(name, spec)
+                shape = (spec.shape(blocks[spec.group], self.block_size) if isinstance(spec, PagedSpec)
+                         else (layout.num_state_slots, *spec.shape))
+                # Zeroed: masked-out slots are multiplied by zero probabilities, and garbage could be NaN.
+                # Written, not calloc'ed: on CPU, torch.zeros maps pages that become resident only when first
+                # written, so the process would grow by up to the whole cache while serving (and could be
+                # killed for it then).
+                caches[name] = torch.empty(shape, dtype=dtype, device=self.device).zero_()
+                if isinstance(spec, StateSpec):
+                    self.state_tensors.append(caches[name])
+            layer.bind_caches(caches)
+            if "kv" in caches and layer.supports_fp8_kv_cache:
+                layer.kv_quant = self._kv_quant(layer, blocks[layer.cache_specs()["kv"].group])
+        if len(layout.groups) > 1 or layout.num_state_slots:
+            logger.info("KV cache groups: %s; state pool: %d slots of %d bytes", ", ".join(
+                f"{'/'.join(g.kinds)} (ratio {g.ratio}, window {g.window}): {g.num_blocks} blocks"
+                for g in layout.groups), layout.num_state_slots, layout.state_bytes_per_slot)
+        blocker = layout.prefix_caching_blocker
+        if blocker and self.config.enable_prefix_caching:
+            logger.info("prefix caching is off for this model: %s", blocker)
         if self.config.fp8_kv_cache:
             logger.info("KV cache: %s with %s scales", self.kv_cache_dtype, self.kv_scale_granularity)
         state = get_parallel_state()
@@ -206,6 +288,10 @@ class ModelRunner:
             logger.info("expert parallelism: decode steps run eagerly (the token exchange's split sizes are "
                         "data-dependent, so it cannot be captured in a CUDA graph)")
         eager_layers = sorted({type(m).__name__ for m in self.cache_layers if not m.supports_cuda_graphs})
+        if not eager_layers and (len(layout.groups) > 1 or layout.num_state_slots
+                                 or layout.groups[0].key != FULL_GROUP):
+            eager_layers = ["several cache groups or a state pool:"] + sorted(
+                {type(m).__name__ for m in self.cache_layers})
         if eager_layers and self.uses_cuda and not self.config.enforce_eager:
             logger.info("decode steps run eagerly: %s layers cannot be captured in a CUDA graph yet",
                         ", ".join(eager_layers))
@@ -221,6 +307,7 @@ class ModelRunner:
             except RuntimeError as exc:  # e.g. a collective library that cannot be captured
                 logger.warning("decode graph capture failed, running eagerly: %s", exc)
                 torch.cuda.synchronize(self.device)
+        return layout
 
     def _kv_quant(self, layer: KVCacheLayer, num_blocks: int) -> KVCacheQuant | None:
         granularity = self.kv_scale_granularity
@@ -254,7 +341,8 @@ class ModelRunner:
                 needed = max(needed, request.pending_step)
         if needed:
             self.resolve_until(needed)
-        host = prepare_host_inputs(self.requests, scheduled.num_scheduled_tokens, self.block_size)
+        host = prepare_host_inputs(self.requests, scheduled.num_scheduled_tokens, self.block_size,
+                                   tuple(key[0] for key in self._group_keys))
         hidden = self._forward(host)
         output = RunnerOutput()
         sampled_host, event = None, None
@@ -305,7 +393,9 @@ class ModelRunner:
                 self._last_sampled[self._to_device(np.asarray(host.pending_rows))]
         positions = self._to_device(host.positions)
         metadata = self._attention_metadata(host.num_decodes, host.query_start_loc, host.seq_lens,
-                                            host.num_computed, host.block_table, host.slot_mapping)
+                                            host.num_computed, [host.block_table, *host.group_tables],
+                                            [host.slot_mapping, *host.group_slot_mappings], host.state_slots,
+                                            self._group_keys)
         with forward_context(metadata, self.block_size):
             return self.model(input_ids, positions)
 
@@ -315,13 +405,19 @@ class ModelRunner:
         for new in scheduled.new_requests:
             self.requests[new.request_id] = RunnerRequest(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens)
+                list(new.block_ids), new.num_computed_tokens,
+                group_block_ids=[list(b) for b in new.group_block_ids], state_slot=new.state_slot)
+            if new.state_slot >= 0:  # a fresh state: admitted, or re-admitted after a preemption
+                for tensor in self.state_tensors:
+                    tensor[new.state_slot].zero_()
         for cached in scheduled.cached_requests:
             request = self.requests[cached.request_id]
             assert request.num_computed_tokens == cached.num_computed_tokens, (
                 f"runner and scheduler disagree on {cached.request_id}: "
                 f"{request.num_computed_tokens} != {cached.num_computed_tokens}")
             request.block_ids.extend(cached.new_block_ids)
+            for blocks, new_blocks in zip(request.group_block_ids, cached.new_group_block_ids):
+                blocks.extend(new_blocks)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
@@ -339,21 +435,33 @@ class ModelRunner:
         event.record()
         return host, event
 
-    def _attention_metadata(self, num_decodes, starts, seq_lens, computed, block_table: np.ndarray,
-                            slot_mapping: np.ndarray):
+    def _attention_metadata(self, num_decodes, starts, seq_lens, computed, tables: list[np.ndarray],
+                            slot_mappings: list[np.ndarray], state_slots: list[int], keys: list):
+        """The step's metadata: `tables` / `slot_mappings` per paged group (`keys`, the first group's are
+        also the metadata's own), `state_slots` per sequence."""
+        block_table, slot_mapping = self._to_device(tables[0]), self._to_device(slot_mappings[0])
+        groups = {}
+        for index, key in enumerate(keys):
+            table = block_table if index == 0 else self._to_device(tables[index])
+            slots = slot_mapping if index == 0 else self._to_device(slot_mappings[index])
+            groups[key] = CacheGroupMetadata(key[0], key[1], self.block_size, table, slots, tables[index])
         common = CommonAttentionMetadata(
             num_seqs=len(seq_lens),
             num_decodes=num_decodes,
             num_tokens=starts[-1],
             query_start_loc=self._to_device(np.asarray(starts, dtype=np.int32)),
             seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
-            block_table=self._to_device(block_table),
-            slot_mapping=self._to_device(slot_mapping),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
             num_computed_tokens_cpu=computed,
+            groups=groups,
+            state_slots=(self._to_device(np.asarray(state_slots, dtype=np.int64))
+                         if getattr(self, "layout", None) is not None and self.layout.num_state_slots else None),
+            state_slots_cpu=list(state_slots),
         )
         return self.attn_backend.build_metadata(common, self.block_size)
 

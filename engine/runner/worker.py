@@ -95,8 +95,9 @@ class Worker:
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int):
+        """Allocate this rank's caches; returns their CacheLayout."""
+        return self.runner.initialize_kv_cache(num_blocks)
 
     def execute_async(self, scheduled: SchedulerOutput) -> PendingOutput:
         """Leader only: share the plan with the peers, then launch it."""
