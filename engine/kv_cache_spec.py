@@ -82,7 +82,8 @@ CacheSpec = PagedSpec | StateSpec
 @dataclass
 class CacheGroupMetadata:
     """One paged group's view of a step: `block_table` [num_seqs, max_blocks] int32 (block ids of the group's
-    pool; blocks a sliding window gave back read as 0, whose entries are not this request's), and
+    pool; blocks a sliding window gave back keep their stale ids, and their entries may be another
+    request's: read only inside the window), and
     `slot_mapping` [num_tokens] int64: for each of the step's tokens, the slot of the entry holding it (entry
     pos // ratio, slot = block_table[e // block_size] * block_size + e % block_size). `block_size` counts
     entries. Host copies for the torch reference."""

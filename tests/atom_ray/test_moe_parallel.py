@@ -172,3 +172,18 @@ def test_a_bad_request_to_a_dp_engine_is_refused_alone(dp_engine, expected):
         dp_engine.generate([[5] * 600], GREEDY)
     assert dp_engine.generate([PROMPTS[2]], GREEDY)[0].token_ids == expected[tuple(PROMPTS[2])]
     assert all(r["num_running"] == 0 and r["outstanding_requests"] == 0 for r in dp_engine.stats()["dp_ranks"])
+
+
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2, enable_expert_parallel=True),
+                                    dict(tensor_parallel_size=2)], ids=["dp2_ep2", "tp2"])
+def test_deepseek_v3_over_two_ranks_matches_single_process(ray_cluster, tiny_model_dirs, layout):
+    """Multi-head latent attention (its latent cache replicated, not split, across TP ranks) with DeepSeek-V3's
+    grouped, biased routing and shared experts: data-parallel attention with expert-parallel MoE, the
+    serving default for MLA models, and plain TP=2."""
+    folder = str(tiny_model_dirs["deepseek_v3"])
+    reference = [o.token_ids for o in LLM(folder, dtype="float32", show_progress=False).generate(PROMPTS, GREEDY)]
+    engine = atom_ray.start(folder, dtype="float32", **layout)
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    finally:
+        engine.shutdown()
