@@ -52,7 +52,8 @@ def compute_inv_freq(hf_config, rotary_dim: int) -> tuple[torch.Tensor, float]:
         return _llama3_inv_freq(inv_freq, params), 1.0
     if rope_type == "yarn":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](hf_config, torch.device("cpu"))
+        with torch.device("cpu"):  # all of it on the CPU, whatever device the model is built under
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](hf_config, torch.device("cpu"))
         return inv_freq.float(), float(scaling)
     return inv_freq, 1.0
 
