@@ -51,6 +51,8 @@ def model_facts(hf_config, dtype_bytes: int = 2) -> dict:
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    if getattr(hf_config, "kv_lora_rank", None):  # multi-head latent attention: one latent entry per token
+        kv_per_token = hf_config.num_hidden_layers * (hf_config.kv_lora_rank + hf_config.qk_rope_head_dim) * dtype_bytes
     return {"params": params, "active_params": params - expert_params * (1 - active_fraction),
             "expert_params": expert_params, "active_expert_fraction": active_fraction,
             "dense_weight_bytes": dense_read * dtype_bytes, "expert_weight_bytes": expert_params * dtype_bytes,
