@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 # alias -> (PyPI package holding the file, file name inside it, what to install)
 PACKAGED_MODELS = {
@@ -85,10 +88,43 @@ def load_hf_config(folder: Path):
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ModelSourceError(f"{config_path} has no 'model_type'; is it a transformers config?")
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if raw["model_type"] not in CONFIG_MAPPING:
+        config = _config_by_architecture(raw)
+        if config is not None:
+            return config
     try:
         return AutoConfig.from_pretrained(str(folder))
     except (ValueError, KeyError, OSError, TypeError) as exc:
         raise ModelSourceError(f"transformers could not read {config_path}: {exc}") from exc
+
+
+def _config_by_architecture(raw: dict):
+    """A config whose `model_type` transformers does not know (a checkpoint that ships its own config code,
+    e.g. Kimi-K2's "kimi_k2" for the DeepseekV3ForCausalLM architecture) is read with transformers' config
+    class of the architecture it names, when we serve that architecture; never with the checkpoint's code.
+    None if no such class exists."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from engine.models import supported_architectures
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    by_class: dict[str, str] = {}
+    for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        # Several model types may share a class: the one whose config class is named after it wins.
+        if isinstance(cls, str) and (cls not in by_class
+                                     or CONFIG_MAPPING_NAMES.get(model_type) == cls.replace("ForCausalLM", "Config")):
+            by_class[cls] = model_type
+    for architecture in raw.get("architectures") or []:
+        if architecture in supported_architectures() and architecture in by_class:
+            fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+            logger.info("config model_type %r is unknown to transformers: reading it as %r (architecture %s)",
+                        raw["model_type"], by_class[architecture], architecture)
+            try:
+                return AutoConfig.for_model(by_class[architecture], **fields)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ModelSourceError(f"config of model_type {raw['model_type']!r} does not fit "
+                                       f"{architecture}'s config ({by_class[architecture]}): {exc}") from exc
+    return None
 
 
 def _gguf_file(path: Path) -> Path | None:

@@ -163,6 +163,27 @@ def test_multi_token_prediction_layer_tensors_are_skipped(model_dirs, tmp_path):
     assert torch.equal(logits(tmp_path), logits(folder))
 
 
+def test_kimi_k2_style_config_loads_as_deepseek_v3_without_remote_code(llms, model_dirs, tmp_path):
+    """Kimi-K2 ships DeepseekV3ForCausalLM weights with its own config code (model_type "kimi_k2", an
+    auto_map): read with transformers' DeepseekV3Config, never the checkpoint's code, it is the same model."""
+    import json
+    import shutil
+    folder = model_dirs["deepseek_v3"]
+    for path in folder.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_model(str(tmp_path)).hf_config.model_type == "deepseek_v3"
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    kimi = LLM(str(tmp_path), dtype="float32", show_progress=False).generate(prompts, GREEDY_32)
+    assert [o.token_ids for o in kimi] == [o.token_ids for o in llms["deepseek_v3"].generate(prompts, GREEDY_32)]
+    config.update(architectures=["NotAModelForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="could not read"):
+        resolve_model(str(tmp_path))
+
+
 def test_fp8_kv_cache_is_refused_for_latent_attention(model_dirs):
     with pytest.raises(ConfigError, match="MLAAttention layers keep a full-precision cache only"):
         LLM(str(model_dirs["deepseek_v2"]), dtype="float32", kv_cache_dtype="fp8", show_progress=False)
