@@ -274,10 +274,12 @@ class ModelRunner:
             layer.bind_caches(caches)
             if "kv" in caches and layer.supports_fp8_kv_cache:
                 layer.kv_quant = self._kv_quant(layer, blocks[layer.cache_specs()["kv"].group])
-        if len(layout.groups) > 1 or layout.num_state_slots:
-            logger.info("KV cache groups: %s; state pool: %d slots of %d bytes", ", ".join(
-                f"{'/'.join(g.kinds)} (ratio {g.ratio}, window {g.window}): {g.num_blocks} blocks"
-                for g in layout.groups), layout.num_state_slots, layout.state_bytes_per_slot)
+        logger.info("KV cache: %.2f GiB; %s%s", self.cache_bytes(layout) / 2**30, "; ".join(
+            f"{'/'.join(g.kinds) or 'attention'} ({'every' if g.ratio == 1 else f'1 per {g.ratio}'} token"
+            f"{f', window {g.window}' if g.window else ''}): {g.num_blocks} blocks = "
+            f"{g.num_blocks * self.block_size * g.ratio} tokens" for g in layout.groups),
+            f"; state pool: {layout.num_state_slots} slots of {layout.state_bytes_per_slot} bytes"
+            if layout.num_state_slots else "")
         blocker = layout.prefix_caching_blocker
         if blocker and self.config.enable_prefix_caching:
             logger.info("prefix caching is off for this model: %s", blocker)
