@@ -50,7 +50,11 @@ def mla_softmax_scale(hf_config, qk_head_dim: int) -> float:
 
 class MLAAttention(KVCacheLayer):
     supports_fp8_kv_cache = False  # a full-precision latent cache only, for now
-    supports_cuda_graphs = False   # the torch reference loops on host-side lengths
+    # Capturable where the step goes through mla_attention alone and the active op reads no host-side lengths
+    # (the Triton one; the torch reference loops on them). A subclass with its own forward is not, unless it
+    # declares so itself.
+    supports_cuda_graphs = property(lambda self: type(self).forward is MLAAttention.forward
+                                    and getattr(ops.mla_attention, "cuda_graph_safe", False))
 
     def __init__(self, config) -> None:
         super().__init__()

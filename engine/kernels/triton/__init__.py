@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.triton import gemv, moe, moe_quant, ops, quant
+from engine.kernels.triton import gemv, mla, moe, moe_quant, ops, quant
 from engine.kernels.triton.attention import TritonAttentionBackend
-from engine.kernels.torch import mla as torch_mla
 from engine.kernels.triton.sampling import sample
 
 BACKEND = KernelBackend(
@@ -35,9 +34,8 @@ BACKEND = KernelBackend(
         "gemm_mxfp4": quant.gemm_quantized,
         "fused_experts_fp8": moe_quant.fused_experts_quantized,
         "fused_experts_mxfp4": moe_quant.fused_experts_quantized,
-        # No Triton MLA kernels yet: the torch reference (it runs on any device).
-        "mla_attention": torch_mla.mla_attention,
-        "mla_sparse_attention": torch_mla.mla_sparse_attention,
+        "mla_attention": mla.mla_attention,
+        "mla_sparse_attention": mla.mla_sparse_attention,
     },
     attention=TritonAttentionBackend,
 )
