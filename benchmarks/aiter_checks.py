@@ -84,19 +84,22 @@ class Shapes:
     vocab: int
     prompts: tuple[int, int]               # the attention steps' two first prompts
     chunks: tuple[int, int]                # and the third prompt's two chunks
+    mla_heads: tuple[int, ...]             # MLA query heads per rank (DeepSeek-V3: 128 at TP 1, 16 at TP 8)
+    mla_sparse: tuple[int, int]            # sparse MLA query rows, selected entries per row (V3.2: 2048)
 
     @classmethod
     def full(cls) -> "Shapes":
-        """Llama-3.1-8B's GEMMs and attention, Qwen3-30B-A3B's experts, DeepSeek-V3's grouped routing."""
+        """Llama-3.1-8B's GEMMs and attention, Qwen3-30B-A3B's experts, DeepSeek-V3's grouped routing and
+        latent attention."""
         return cls(tokens=(1, 32, 512), gemms=((6144, 4096), (4096, 4096), (4096, 14336)), hidden=4096,
                    intermediate=14336, heads=(32, 8, 128), experts=(128, 8, 2048, 768), grouped=(256, 8, 8, 4),
-                   vocab=128256, prompts=(700, 33), chunks=(512, 300))
+                   vocab=128256, prompts=(700, 33), chunks=(512, 300), mla_heads=(128, 16), mla_sparse=(64, 2048))
 
     @classmethod
     def quick(cls) -> "Shapes":
         return cls(tokens=(1, 7, 40), gemms=((256, 256), (384, 512)), hidden=512, intermediate=256,
                    heads=(8, 2, 128), experts=(8, 2, 256, 128), grouped=(16, 4, 4, 2), vocab=1000,
-                   prompts=(37, 5), chunks=(20, 13))
+                   prompts=(37, 5), chunks=(20, 13), mla_heads=(16,), mla_sparse=(5, 40))
 
 
 def relative_l2(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -352,7 +355,13 @@ def _sampling_tensors(temperatures: list[float], device: torch.device) -> Sampli
 
 
 def check_ops(report: Report, device: torch.device, shapes: Shapes) -> None:
-    OpChecks(report, device, shapes).run()
+    checks = OpChecks(report, device, shapes)
+    checks.run()
+    for check in (check_mla_attention, check_mla_sparse_attention):
+        try:
+            check(checks)
+        except Exception as exc:
+            report.failed("op", check.__name__.removeprefix("check_"), exc)
 
 
 # ---- attention --------------------------------------------------------------------------------------------
@@ -439,3 +448,58 @@ def check_attention(report: Report, device: torch.device, shapes: Shapes) -> Non
                     cached[seq] += new
         except Exception as exc:
             report.failed("attention", op, exc, implementation)
+
+
+# ---- multi-head latent attention (DeepSeek-V3's sizes: latent 512, rope 64, nope 128, v 128) ---------------
+
+MLA_LATENT, MLA_ROPE, MLA_NOPE, MLA_V = 512, 64, 128, 128
+
+
+def check_mla_attention(checks: OpChecks) -> None:
+    """mla_attention through the attention steps (prefill, decode, mixed, chunked prefill over a cached
+    prefix, decode), each table's op with its own latent cache [blocks, 16, 576]."""
+    from engine.kernels.mla import MLAWeights
+    shapes, device = checks.shapes, checks.device
+    longest = max(shapes.prompts[0] + 3, sum(shapes.chunks) + 1)
+    blocks_per_seq = -(-longest // BLOCK_SIZE)
+    for heads in shapes.mla_heads:
+        kv_b = checks.randn(heads * (MLA_NOPE + MLA_V), MLA_LATENT, scale=MLA_LATENT ** -0.5)
+        per_head = kv_b.view(heads, MLA_NOPE + MLA_V, MLA_LATENT)
+        weights = MLAWeights(lambda x: x @ kv_b.T, per_head[:, :MLA_NOPE], per_head[:, MLA_NOPE:])
+        caches = [torch.zeros(3 * blocks_per_seq, BLOCK_SIZE, MLA_LATENT + MLA_ROPE, dtype=torch.bfloat16,
+                              device=device) for _ in range(2)]
+        cached = [0, 0, 0]
+        for name, step in attention_steps(shapes):
+            metadata = _metadata([(seq, cached[seq], new) for seq, new in step], blocks_per_seq, device)
+            tokens = metadata.num_tokens
+            inputs = (checks.randn(tokens, heads, MLA_NOPE), checks.randn(tokens, heads, MLA_ROPE),
+                      checks.randn(tokens, MLA_LATENT), checks.randn(tokens, MLA_ROPE))
+            got, expected = (table.ops["mla_attention"](*inputs, cache, metadata, weights, 0.07, BLOCK_SIZE)
+                             for table, cache in zip((checks.aiter, checks.reference), caches))
+            checks.compare("mla_attention", f"H={heads} {name}: {metadata.num_seqs} seqs, {tokens} tok", got,
+                           expected, ATTENTION)
+            for seq, new in step:
+                cached[seq] += new
+
+
+def check_mla_sparse_attention(checks: OpChecks) -> None:
+    """mla_sparse_attention over random selected slots of a latent cache: rows with -1 padding and one with
+    no entry (zeros and an LSE of -inf); the output and the LSE compared apart."""
+    rows, top_k = checks.shapes.mla_sparse
+    dim = MLA_LATENT + MLA_ROPE
+    num_blocks = -(-4 * top_k // BLOCK_SIZE)
+    cache = checks.randn(num_blocks, BLOCK_SIZE, dim)
+    for heads in checks.shapes.mla_heads:
+        q = checks.randn(rows, heads, dim)
+        slots = torch.randint(0, num_blocks * BLOCK_SIZE, (rows, top_k), device=checks.device)
+        lengths = torch.randint(1, top_k + 1, (rows,), device=checks.device)
+        lengths[0] = 0
+        slots[torch.arange(top_k, device=checks.device)[None, :] >= lengths[:, None]] = -1
+        (out, lse), (ref_out, ref_lse) = (table.ops["mla_sparse_attention"](q, cache, slots, dim ** -0.5, MLA_LATENT)
+                                          for table in (checks.aiter, checks.reference))
+        empty_ok = bool((out[0] == 0).all() and torch.isneginf(lse[0]).all())
+        shape = f"T={rows} H={heads} top-k {top_k}"
+        checks.compare("mla_sparse_attention", shape, out, ref_out, ATTENTION, ok=empty_ok,
+                       note="" if empty_ok else "the row with no entry is not zeros / -inf")
+        checks.compare("mla_sparse_attention lse", shape, lse[1:], ref_lse[1:], FLOAT32 * 10,
+                       implementation=checks.implementation["mla_sparse_attention"])

@@ -1,8 +1,8 @@
 """Certifies a ROCm host for kernel_backend="aiter": every op of the backend, as the kernel registry resolves it for
 this GPU (fallbacks included), against the torch reference on random bf16 inputs at real model sizes; the
-attention backend through decode, prefill, mixed and chunked steps (bf16 and FP8 per-token KV caches); then
-trained tiny models' teacher-forced and greedy tokens on aiter against torch (a Llama, a Qwen3-MoE, an FP8-block
-checkpoint, the FP8 KV cache). One row per check; exit status 1 if any fails, 2 if aiter cannot run here.
+attention backend through decode, prefill, mixed and chunked steps (bf16 and FP8 per-token KV caches), MLA and
+sparse MLA at DeepSeek-V3's sizes; then trained tiny models' teacher-forced and greedy tokens on aiter against torch
+(a Llama, a Qwen3-MoE, an FP8-block checkpoint, the FP8 KV cache, a DeepSeek-V3 with AITER's latent shape). One row per check; exit status 1 if any fails, 2 if aiter cannot run here.
 
     python -m benchmarks.validate_rocm [--out report.json] [--quick] [--no-models]
     python -m benchmarks.validate_rocm --double gfx950 --quick    # CPU, against tests/aiter_double
@@ -39,17 +39,18 @@ CHUNKED = dict(max_num_batched_tokens=32, max_num_seqs=4)  # prompts in chunks: 
 
 
 def check_models(report: Report, device: torch.device, models_dir: Path, quick: bool) -> None:
-    """Tiny trained models (tests/tiny_models.py: AITER's head size 128) on kernel_backend="aiter" against
-    "torch", both bf16 on this device."""
+    """Tiny trained models (tests/tiny_models.py: AITER's head size 128, AITER's MLA entry) on
+    kernel_backend="aiter" against "torch", both bf16 on this device."""
     from engine.quantization.quantizer import quantize_checkpoint
-    from tiny_models import AITER_SHAPES, make_trained_tiny_model
+    from tiny_models import AITER_MLA_SHAPES, AITER_SHAPES, make_trained_tiny_model
     llama = make_trained_tiny_model(models_dir / "llama", "llama", **AITER_SHAPES)
     moe = make_trained_tiny_model(models_dir / "qwen3_moe", "qwen3_moe", **AITER_SHAPES)
+    deepseek = make_trained_tiny_model(models_dir / "deepseek_v3", "deepseek_v3", steps=30, **AITER_MLA_SHAPES)
     fp8 = models_dir / "llama-fp8-block"
     if not (fp8 / "config.json").exists():
         quantize_checkpoint(llama, fp8, "fp8-block")
     cases = [("llama", llama, {}), ("qwen3_moe", moe, {}), ("llama fp8-block", fp8, {}),
-             ("llama fp8 KV cache", llama, {"kv_cache_dtype": "fp8"})]
+             ("llama fp8 KV cache", llama, {"kv_cache_dtype": "fp8"}), ("deepseek_v3", deepseek, {})]
     for name, folder, engine_args in cases:
         for mode in ("teacher-forced", "greedy"):
             try:

@@ -165,6 +165,10 @@ QUANT_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=
 # tests and benchmarks/validate_rocm.py keep attention on AITER with these.
 AITER_SHAPES = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                     intermediate_size=384)
+# A tiny DeepSeek whose latent entry is the one AITER's MLA kernels are built for (512 + 64; 4 heads, which the
+# decode kernel pads to 16); small per-head dims.
+AITER_MLA_SHAPES = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=32, v_head_dim=32)
 
 
 _TRAINED: dict[tuple, Path] = {}

@@ -82,6 +82,10 @@ class ModelFacts:
     # backend declines a quantized op at start-up, in the kernel table, rather than layer by layer.
     linear_quant: QuantScheme | None = None
     experts_quant: QuantScheme | None = None
+    # Multi-head latent attention: query heads per rank and the latent entry (kv_lora_rank, qk_rope_head_dim).
+    mla_heads: int | None = None
+    mla_entry: tuple[int, int] | None = None
+    clamped_experts: bool = False  # routed experts with a clamped SwiGLU (DeepSeek-V4's swiglu_limit)
 
 
 @dataclass

@@ -42,7 +42,13 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     window = getattr(text, "sliding_window", None)
     uses_window = bool(window) and getattr(text, "use_sliding_window", True) is not False
-    return kernels.ModelFacts(head_sizes=(int(head_size),), gqa_ratios=(heads // max(kv_heads, 1),),
+    mla = {}
+    if getattr(text, "kv_lora_rank", None):
+        from engine.layers.linear import shard_range
+        state = get_parallel_state()
+        mla = dict(mla_heads=shard_range(heads, state.tp_size, state.tp_rank)[1],
+                   mla_entry=(int(text.kv_lora_rank), int(text.qk_rope_head_dim)))
+    return kernels.ModelFacts(**mla, clamped_experts=getattr(text, "swiglu_limit", None) is not None, head_sizes=(int(head_size),), gqa_ratios=(heads // max(kv_heads, 1),),
                               sliding_window=uses_window, block_size=config.block_size, dtype=dtype,
                               fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales,
                               linear_quant=plan.default_linear if plan else None,

@@ -53,6 +53,17 @@ def activate(arch: str = "gfx950"):
             os.environ.pop("GPU_ARCHS", None)
         else:
             os.environ["GPU_ARCHS"] = saved_arch
+        _leave_no_aiter_backend_active()
+
+
+def _leave_no_aiter_backend_active() -> None:
+    """An engine built meanwhile left the aiter backend active (global state): later layers would call the
+    real `aiter`. Back to the torch reference."""
+    import torch
+    from engine import kernels
+    backend = kernels.active_backend()
+    if backend.name == "aiter":
+        kernels.activate("torch", torch.device("cpu"))
 
 
 @contextlib.contextmanager

@@ -193,3 +193,18 @@ def test_real_aiter_has_the_names_the_backend_plan_relies_on(real):
                    "aiter.ops.shuffle.shuffle_weight", "aiter.utility.fp4_utils.e8m0_shuffle", "aiter.get_hip_quant"):
         assert real.signature(dotted) is not None, dotted
     assert real.resolve("aiter.pa_persistent_fwd") is None  # not in 0.1.7
+
+
+def test_real_aiter_mla_api_is_what_the_mla_adapter_assumes(real):
+    """engine/kernels/aiter/mla.py's design rests on these 0.1.7 facts: mla_decode_fwd takes no page_size
+    (the cache's page size is kv_buffer's dim 1) and returns no log-sum-exp (no return_lse: the sparse op
+    computes it beside); the HIP fused rope + MLA cache write does not exist yet (only a Triton variant)."""
+    decode = real.signature("aiter.mla.mla_decode_fwd")
+    assert decode.names[:8] == ("q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices",
+                                "kv_last_page_lens", "max_seqlen_q")
+    assert "return_lse" not in decode.names and "page_size" not in decode.names
+    assert real.signature("aiter.concat_and_cache_mla").names == (
+        "kv_c", "k_pe", "kv_cache", "slot_mapping", "kv_cache_dtype", "scale")
+    assert real.signature("aiter.mla.mla_prefill_fwd") is not None
+    assert real.resolve("aiter.fused_qk_rope_concat_and_cache_mla") is None
+    assert real.signature("aiter.ops.triton.fused_kv_cache.fused_qk_rope_cat_and_cache_mla") is not None

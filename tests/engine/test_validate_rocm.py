@@ -29,8 +29,10 @@ def test_the_validation_passes_on_the_double_and_prints_its_table(arch, models_d
     for op in (*OPS, "attention", "attention fp8 KV (token)"):
         assert f"\n{op} " in printed, op
     models = {(row["op"], row["shape"].split(",")[0]) for row in report["checks"] if row["section"] == "model"}
-    assert models == {(model, mode) for model in ("llama", "qwen3_moe", "llama fp8-block", "llama fp8 KV cache")
-                      for mode in ("teacher-forced", "greedy")}
+    assert models == {(model, mode) for model in ("llama", "qwen3_moe", "llama fp8-block", "llama fp8 KV cache",
+                                                  "deepseek_v3") for mode in ("teacher-forced", "greedy")}
+    mla = [row["implementation"] for row in report["checks"] if row["op"].startswith("mla_")]
+    assert mla and all(impl.startswith("aiter.") for impl in mla)
     mxfp4 = [row["implementation"] for row in report["checks"] if row["op"] == "gemm_mxfp4 w4a4"]
     if arch == "gfx942":  # no MXFP4 kernels: the fallback runs, and the table says why
         assert all("fallback: AITER's MXFP4 kernels need gfx950" in impl for impl in mxfp4)

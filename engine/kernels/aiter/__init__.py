@@ -3,15 +3,15 @@ that ATOM uses for it (../../docs/ROCM.md has the table and the AITER version ta
 
 `aiter` is imported only inside the functions here (and never by any other backend), so the project
 imports and runs without it. What AITER cannot serve for a model (attention with a head size other than 128,
-sliding windows, KV blocks other than 16, per-tensor FP8 KV scales, MXFP4 on gfx942, weight-only MXFP4, ...)
-is declined here at start-up and runs on the Triton backend (the torch reference where Triton cannot run); the
-kernel table logged at start-up shows what runs.
+sliding windows, KV blocks other than 16, per-tensor FP8 KV scales, MXFP4 on gfx942, weight-only MXFP4, MLA
+outside bf16, ...) is declined here at start-up and runs on the Triton backend (the torch reference where
+Triton cannot run); the kernel table logged at start-up shows what runs.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.kernels.aiter import attention, ops, quant
+from engine.kernels.aiter import attention, mla, ops, quant
 from engine.kernels.registry import KernelBackend, ModelFacts
 
 PA_ASM_HEAD_SIZE = 128  # pa_fwd_asm: AITER_CHECK(head_size == 128)
@@ -35,6 +35,12 @@ def declines(op: str, facts: ModelFacts) -> str | None:
         if facts.fp8_kv_cache and facts.kv_cache_scales == "tensor":
             return "pa_fwd_asm reads FP8 caches with per-token scales (kv_cache_scales='token' or 'auto')"
         return None
+    if op in ("mla_attention", "mla_sparse_attention") and facts.dtype not in mla.DTYPES:
+        return f"mla_decode_fwd's assembly kernels take bf16, the model runs in {facts.dtype}"
+    if op == "fused_experts" and facts.clamped_experts:
+        return "aiter's fused_moe has no clamped SwiGLU (swiglu_limit)"
+    if op == "mla_attention" and facts.mla_heads is not None and facts.mla_entry is not None:
+        return mla.unsupported(facts.mla_heads, sum(facts.mla_entry), facts.mla_entry[0], facts.dtype)
     if op in ("gemm_mxfp4", "fused_experts_mxfp4") and ops.gfx() == "gfx942":
         return "AITER's MXFP4 kernels need gfx950 (MI355X); this GPU is gfx942"
     scheme = {"gemm_mxfp4": facts.linear_quant, "fused_experts_mxfp4": facts.experts_quant}.get(op)
@@ -64,6 +70,8 @@ BACKEND = KernelBackend(
         "gemm_mxfp4": quant.gemm_mxfp4,
         "fused_experts_fp8": quant.fused_experts_fp8,
         "fused_experts_mxfp4": quant.fused_experts_mxfp4,
+        "mla_attention": mla.mla_attention,
+        "mla_sparse_attention": mla.mla_sparse_attention,
     },
     attention=attention.AiterAttentionBackend,
     declines=declines,

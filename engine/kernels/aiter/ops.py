@@ -192,8 +192,11 @@ def masked_ids(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
 
 @kernel("aiter.fused_moe.fused_moe")
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """Expert weights were shuffled in place once after loading (`prepare_weights`)."""
+                  ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """Expert weights were shuffled in place once after loading (`prepare_weights`). A clamped SwiGLU
+    (`swiglu_limit`) is declined at start-up (the Triton op serves such models), never reaches here."""
+    if swiglu_limit is not None:
+        raise NotImplementedError("aiter's fused_moe has no clamped SwiGLU (swiglu_limit)")
     import aiter
     from aiter.fused_moe import fused_moe
     ids, mask = masked_ids(ids, w13.shape[0])

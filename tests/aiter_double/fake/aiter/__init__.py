@@ -23,3 +23,4 @@ from .ops.rope import *  # noqa: E402,F401,F403
 from .ops.topk import *  # noqa: E402,F401,F403
 from .ops.mha import *  # noqa: E402,F401,F403
 from .ops.sample import *  # noqa: E402,F401,F403
+from . import mla  # noqa: E402,F401

@@ -10,6 +10,9 @@ arch fp8 dtype or uint8 bytes.
 reshape_and_cache_with_pertoken_quant: per token and head, scale = amax(|x|) / dtype_max (no floor:
 an all-zero head stores NaN), stored x * (1 / scale) into an fp8 or int8 cache; the dequant scales go
 to [nblk, Hk, bs] when asm_layout, else [Hk, max_kv_tokens] at [head, slot].
+concat_and_cache_mla: kv_c [T, L] and k_pe [T, R] (rows may be strided, the last dim contiguous) go to
+kv_cache [nblk, bs, L + R] at entry slot % bs of block slot // bs, the latent first; slot < 0 is skipped.
+"auto" copies into a cache of the input dtype; "fp8"/"fp8_e4m3" stores x * (1 / scale) (scale fp32 [1]).
 """
 from typing import Optional
 
@@ -20,7 +23,7 @@ from ..utility import dtypes
 from .._double import numerics
 from .._double.recording import recorded
 
-__all__ = ["reshape_and_cache", "reshape_and_cache_with_pertoken_quant"]
+__all__ = ["reshape_and_cache", "reshape_and_cache_with_pertoken_quant", "concat_and_cache_mla"]
 
 
 def _slots(slot_mapping: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -121,3 +124,35 @@ def reshape_and_cache_with_pertoken_quant(
             target[blocks, :, offsets] = scale
         else:
             target[:, blocks * block_size + offsets] = scale.t()
+
+
+@recorded()
+def concat_and_cache_mla(
+    kv_c: Tensor,
+    k_pe: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    kv_cache_dtype: str,
+    scale: Tensor,
+) -> None:
+    kv_lora_rank, pe_dim = kv_c.shape[1], k_pe.shape[1]
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != kv_lora_rank + pe_dim:
+        raise RuntimeError(f"kv_cache must be [num_blocks, block_size, {kv_lora_rank} + {pe_dim}], "
+                           f"got {tuple(kv_cache.shape)}")
+    if kv_c.stride(1) != 1 or k_pe.stride(1) != 1:
+        raise RuntimeError("concat_and_cache_mla reads rows of kv_c and k_pe with unit stride along the last dim")
+    if kv_c.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k_pe.dtype != kv_c.dtype:
+        raise RuntimeError(f"Unsupported input type of kv cache: {kv_c.dtype}, {k_pe.dtype}")
+    tokens, blocks, offsets = _slots(slot_mapping, kv_cache.shape[1])
+    entries = torch.cat((kv_c[tokens].float(), k_pe[tokens].float()), dim=-1)
+    if kv_cache_dtype == "auto":
+        if kv_cache.dtype != kv_c.dtype:
+            raise RuntimeError(f'kv_cache_dtype "auto" copies raw {kv_c.dtype}; the cache is {kv_cache.dtype}')
+        kv_cache[blocks, offsets] = entries.to(kv_cache.dtype)
+    elif kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        if kv_cache.dtype not in (dtypes.fp8, torch.uint8):
+            raise RuntimeError(f"fp8 kv cache must be {dtypes.fp8} (or uint8 bytes), got {kv_cache.dtype}")
+        inverted = 1.0 / scale.float().reshape(-1)[0]
+        kv_cache.view(dtypes.fp8)[blocks, offsets] = numerics.convert(entries * inverted, dtypes.fp8)
+    else:
+        raise RuntimeError(f"Unsupported data type of kv cache: {kv_cache_dtype}")
