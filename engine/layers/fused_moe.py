@@ -36,10 +36,10 @@ from engine.parallel.all_to_all import ExchangeLayout, make_all_to_all
 @dataclass(frozen=True)
 class RouterConfig:
     """How a model chooses its experts. `kind` names an entry of ROUTERS."""
-    kind: str                      # "softmax_topk" | "grouped_topk"
+    kind: str                      # "softmax_topk" | "grouped_topk" | "scored_topk"
     top_k: int
     renormalize: bool = True
-    scoring: str = "softmax"       # grouped_topk: "softmax" | "sigmoid"
+    scoring: str = "softmax"       # grouped_topk: "softmax" | "sigmoid"; scored_topk: also "sqrtsoftplus"
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
@@ -58,10 +58,42 @@ def _grouped_topk(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor
                                 config.scoring, bias, config.routed_scaling_factor)
 
 
+# Expert scores from float32 router logits [T, E].
+SCORING = {
+    "softmax": lambda logits: torch.softmax(logits, dim=-1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda logits: torch.nn.functional.softplus(logits).sqrt(),  # DeepSeek-V4
+}
+
+
+def _weigh_chosen(scores: torch.Tensor, ids: torch.Tensor, config: RouterConfig) -> torch.Tensor:
+    """The chosen experts' unbiased scores, renormalised (+1e-20) if asked, times the scaling factor."""
+    weights = scores.gather(1, ids.long())
+    if config.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * config.routed_scaling_factor if config.routed_scaling_factor != 1.0 else weights
+
+
+def _scored_topk(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None):
+    """Top k of score + bias over all experts, weighted by the unbiased scores (DeepSeek-V4: sqrtsoftplus).
+    Plain torch on every backend: one small op per layer."""
+    scores = SCORING[config.scoring](logits.float())
+    choice = scores if bias is None else scores + bias.float()
+    ids = torch.topk(choice, config.top_k, dim=-1, sorted=False)[1]
+    return _weigh_chosen(scores, ids, config), ids.to(torch.int32)
+
+
+def fixed_route_weights(logits: torch.Tensor, config: RouterConfig, ids: torch.Tensor) -> torch.Tensor:
+    """Weights of experts chosen elsewhere (DeepSeek-V4's hash-routed layers: ids = tid2eid[input_ids]): the
+    router's scores of those experts, renormalised and scaled as `config` says."""
+    return _weigh_chosen(SCORING[config.scoring](logits.float()), ids, config)
+
+
 # The router registry: kind -> (router logits [T, E] float32, config, correction bias) -> (weights, ids).
 ROUTERS = {
     "softmax_topk": _softmax_topk,   # Mixtral, Qwen3-MoE (renormalize = norm_topk_prob)
     "grouped_topk": _grouped_topk,   # DeepSeek-V2/V3, GLM-4.5 (sigmoid + bias + groups), MiniMax-M2 (1 group)
+    "scored_topk": _scored_topk,     # DeepSeek-V4 (sqrtsoftplus + bias, no groups)
 }
 
 
@@ -70,8 +102,10 @@ def _check_router(config: RouterConfig, num_experts: int) -> None:
         raise ValueError(f"unknown MoE router {config.kind!r}; known: {sorted(ROUTERS)}")
     if not 0 < config.top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok={config.top_k} must be in [1, {num_experts}]")
-    if config.scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"MoE scoring function {config.scoring!r} is not supported (softmax, sigmoid)")
+    scorings = tuple(SCORING) if config.kind == "scored_topk" else ("softmax", "sigmoid")
+    if config.scoring not in scorings:
+        raise ValueError(f"MoE scoring function {config.scoring!r} is not supported by the {config.kind} router "
+                         f"({', '.join(scorings)})")
     if num_experts % config.num_groups or not 0 < config.topk_groups <= config.num_groups:
         raise ValueError(f"{num_experts} experts cannot form {config.num_groups} groups with topk_group="
                          f"{config.topk_groups}")
@@ -93,11 +127,15 @@ class Router(nn.Module):
         else:
             self.register_parameter("e_score_correction_bias", None)
 
-    def route(self, x: torch.Tensor, config: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, config: RouterConfig,
+              expert_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, ids [T, k] int32); `expert_ids` given: those experts, weighted by score."""
         if self.weight.dtype == torch.float32 or x.dtype == torch.float32:
             logits = torch.nn.functional.linear(x.float(), self.weight.float())
         else:
             logits = ops.gemm_float32(x, self.weight)
+        if expert_ids is not None:
+            return fixed_route_weights(logits, config, expert_ids), expert_ids.to(torch.int32)
         return ROUTERS[config.kind](logits, config, self.e_score_correction_bias)
 
 
@@ -118,13 +156,16 @@ class ExpertLoad:
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, router: RouterConfig,
                  shared_experts: nn.Module | None = None, shared_expert_gate: bool = False,
-                 router_dtype: torch.dtype | None = None) -> None:
+                 router_dtype: torch.dtype | None = None, swiglu_limit: float | None = None) -> None:
         """`shared_experts`: an MLP run on every token beside the routed experts, built with an unreduced
-        row-parallel down projection (its partial sum is reduced together with the routed experts')."""
+        row-parallel down projection (its partial sum is reduced together with the routed experts').
+        `swiglu_limit`: the routed experts clamp gate <= limit and up to [-limit, limit] before silu(gate) * up
+        (DeepSeek-V4); full-precision experts only."""
         super().__init__()
         _check_router(router, num_experts)
         state = get_parallel_state()
         self.router = router
+        self.swiglu_limit = swiglu_limit
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.expert_parallel = state.expert_parallel
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
@@ -320,18 +361,23 @@ class FusedMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.q13 is not None:
+            if self.swiglu_limit is not None:
+                raise NotImplementedError("clamped SwiGLU experts (swiglu_limit) have no quantized kernel yet")
             return getattr(ops, self.quant_scheme.moe_op)(x, self.q13, self.q2, weights, ids)
+        if self.swiglu_limit is not None:
+            return ops.fused_experts(x, self.w13, self.w2, weights, ids, swiglu_limit=self.swiglu_limit)
         return ops.fused_experts(x, self.w13, self.w2, weights, ids)
 
     def count_expert_load(self, enabled: bool = True) -> None:
         self.load = ExpertLoad(self.num_experts) if enabled else None
 
     # ---- forward ------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`expert_ids` [T, k]: experts chosen outside the router (hash routing), weighted by the router."""
         if self.expert_parallel:
-            out = self._forward_expert_parallel(x)
+            out = self._forward_expert_parallel(x, expert_ids)
         else:  # a partial sum over this rank's slice of every expert
-            out = self._experts(x, *self._route(x))
+            out = self._experts(x, *self._route(x, expert_ids))
         if self.shared_experts is not None:
             # Built with an unreduced row-parallel down projection: a partial sum too.
             shared = self.shared_experts(x)
@@ -344,21 +390,23 @@ class FusedMoE(nn.Module):
             out = tensor_parallel_all_reduce(out)  # one reduction for the routed and shared experts
         return out
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, ids = self.gate.route(x, self.router)
+    def _route(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self.gate.route(x, self.router, expert_ids)
         if self.load is not None:
             self.load.add(ids)
         return weights, ids
 
-    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_expert_parallel(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
         exchange = self._exchange(x.dtype)
         num_tokens = x.shape[0]
-        x_part = x
+        x_part, ids_part = x, expert_ids
         if self.tp_size > 1:  # the TP ranks hold the same tokens: each routes and sends a slice, then all gather
             per_rank = -(-num_tokens // self.tp_size)
             start = min(self.tp_rank * per_rank, num_tokens)
             x_part = x[start:min(start + per_rank, num_tokens)]
-        sent = exchange.dispatch(x_part, *self._route(x_part))
+            if expert_ids is not None:
+                ids_part = expert_ids[start:min(start + per_rank, num_tokens)]
+        sent = exchange.dispatch(x_part, *self._route(x_part, ids_part))
         weights, ids = sent.weights, sent.local_ids
         if ids.dim() == 1:  # a row per (token, expert) pair; MORI's rows carry a token's k slots
             weights, ids = weights[:, None], ids[:, None]

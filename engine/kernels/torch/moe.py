@@ -56,17 +56,19 @@ def moe_grouped_topk(logits: torch.Tensor, top_k: int, renormalize: bool, num_gr
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     """The routed experts' MLPs, one expert at a time over the tokens routed to it (HF's loop, kept as the
-    reference: no fused kernel can be checked against anything simpler)."""
+    reference: no fused kernel can be checked against anything simpler). `swiglu_limit`: clamp gate to
+    <= limit and up to [-limit, limit] first (DeepSeek-V4)."""
     return each_expert(x, weights, ids, w2.shape[2], lambda rows, e: F.linear(rows, w13[e]),
-                       lambda rows, e: F.linear(rows, w2[e]).float())
+                       lambda rows, e: F.linear(rows, w2[e]).float(), swiglu_limit)
 
 
-def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, intermediate: int, gate_up, down):
+def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, intermediate: int, gate_up, down,
+                swiglu_limit: float | None = None):
     """sum_k weights[t, k] * down(silu_and_mul(gate_up(x[t], e)), e) for e = ids[t, k] >= 0, one expert at a
     time over its tokens, summed in float32 and rounded once to x's dtype. `gate_up(rows, e)` returns x's
-    dtype, `down(rows, e)` float32."""
+    dtype, `down(rows, e)` float32. `swiglu_limit`: gate clamped to <= limit, up to [-limit, limit]."""
     num_tokens, hidden = x.shape
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
@@ -80,6 +82,9 @@ def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, inter
         pairs = (flat_ids == expert).nonzero(as_tuple=True)[0]
         tokens = token_of_pair[pairs]
         projected = gate_up(x[tokens], expert)
-        hidden_act = F.silu(projected[:, :intermediate]) * projected[:, intermediate:]
+        gate, up = projected[:, :intermediate], projected[:, intermediate:]
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        hidden_act = F.silu(gate) * up
         out.index_add_(0, tokens, down(hidden_act, expert) * flat_weights[pairs, None])
     return out.to(x.dtype)

@@ -206,11 +206,12 @@ def block_rows(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
-                    top_k, stride_x, stride_we, stride_wn, num_n_blocks,
+                    top_k, stride_x, stride_we, stride_wn, num_n_blocks, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    USE_PDL: tl.constexpr, CLAMP: tl.constexpr = False):
     """act[pair, n] = silu(gate) * up for one [BLOCK_M pairs, BLOCK_N features] tile of one expert, where
-    gate and up are the rows n and I + n of w13[e] against x[pair // top_k]."""
+    gate and up are the rows n and I + n of w13[e] against x[pair // top_k]; CLAMP: gate <= limit and
+    -limit <= up <= limit first (equal to clamping after the rounding when limit is a number of the dtype)."""
     if USE_PDL:
         pdl.enter()
     block = tl.program_id(0) // num_n_blocks  # the feature tiles of one block of rows run side by side
@@ -235,6 +236,9 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
         w_mask = k_mask[:, None] & feature_mask[None, :]
         gate += dot(a, tl.load(gate_cols + k, mask=w_mask, other=0.0), UPCAST)
         up += dot(a, tl.load(up_cols + k, mask=w_mask, other=0.0), UPCAST)
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter)
 
 
@@ -303,7 +307,7 @@ PAIR_OUTPUT_BUDGET_BYTES = 256 << 20
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, tiles: MoeTiles | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * w2[e] @ (silu(gate) * up)(w13[e] @ x[t]), e = ids[t, k] (-1: nothing), in x's
     dtype: the pairs grouped by expert, one grouped GEMM for gate/up with SiLU-and-mul in its epilogue, one
     for the down projection, then a combine kernel that weights and sums each token's k expert outputs.
@@ -313,7 +317,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     the same bits from run to run. The routing weight is applied in the combine rather than in the down
     GEMM's epilogue: each expert's output is rounded to x's dtype as in the reference, and a weighted
     product kept unrounded for the sum would have to be stored in float32, twice the bytes of this round
-    trip (at 4096 tokens of Qwen3-30B-A3B, 268 MB more written and read per layer)."""
+    trip (at 4096 tokens of Qwen3-30B-A3B, 268 MB more written and read per layer).
+
+    `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up to [-limit, limit] before the SiLU."""
     num_tokens, hidden = x.shape
     assert w13.shape[1] == 2 * w2.shape[2] and w13.shape[2] == w2.shape[1] == hidden, (w13.shape, w2.shape)
     assert w13.stride(2) == 1 and w2.stride(2) == 1 and w13.dtype == w2.dtype == x.dtype
@@ -321,12 +327,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     chunk = max(1, PAIR_OUTPUT_BUDGET_BYTES // (ids.shape[1] * hidden * x.element_size()))
     for start in range(0, num_tokens, chunk):
         stop = min(num_tokens, start + chunk)
-        _fused_experts_chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles)
+        _fused_experts_chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles,
+                             swiglu_limit)
     return out
 
 
 def _fused_experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                         ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles | None) -> None:
+                         ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles | None,
+                         swiglu_limit: float | None = None) -> None:
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = ids.shape[1]
@@ -344,8 +352,8 @@ def _fused_experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     n_blocks = triton.cdiv(inter, tiles.gate_up_block_n)
     _gate_up_kernel[(num_blocks * n_blocks,)](
         x, w13, act, sorted_pairs, block_expert, num_pairs, hidden, inter, top_k, x.stride(0), w13.stride(0),
-        w13.stride(1), n_blocks, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_K=tiles.gate_up_block_k, **launch)
+        w13.stride(1), n_blocks, float(swiglu_limit or 0.0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_block_n,
+        BLOCK_K=tiles.gate_up_block_k, CLAMP=swiglu_limit is not None, **launch)
     n_blocks = triton.cdiv(hidden, tiles.down_block_n)
     _down_kernel[(num_blocks * n_blocks,)](
         act, w2, expert_out, sorted_pairs, block_expert, num_pairs, hidden, inter, w2.stride(0), w2.stride(1),
