@@ -176,11 +176,17 @@ def test_a_bad_request_to_a_dp_engine_is_refused_alone(dp_engine, expected):
 
 @pytest.mark.parametrize("layout", [dict(data_parallel_size=2, enable_expert_parallel=True),
                                     dict(tensor_parallel_size=2)], ids=["dp2_ep2", "tp2"])
-def test_deepseek_v3_over_two_ranks_matches_single_process(ray_cluster, tiny_model_dirs, layout):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_deepseek_over_two_ranks_matches_single_process(ray_cluster, tiny_model_dirs, tmp_path, layout, arch):
     """Multi-head latent attention (its latent cache replicated, not split, across TP ranks) with DeepSeek-V3's
-    grouped, biased routing and shared experts: data-parallel attention with expert-parallel MoE, the
-    serving default for MLA models, and plain TP=2."""
-    folder = str(tiny_model_dirs["deepseek_v3"])
+    grouped, biased routing and shared experts; DeepSeek-V4's window and compressed cache groups, its
+    compressors' per-request state and hash-routed experts: data-parallel attention with expert-parallel
+    MoE, the serving default for these models, and plain TP=2."""
+    if arch == "deepseek_v4":
+        from tiny_models import make_tiny_v4_model
+        folder = str(make_tiny_v4_model(tmp_path / "v4"))
+    else:
+        folder = str(tiny_model_dirs[arch])
     reference = [o.token_ids for o in LLM(folder, dtype="float32", show_progress=False).generate(PROMPTS, GREEDY)]
     engine = atom_ray.start(folder, dtype="float32", **layout)
     try:

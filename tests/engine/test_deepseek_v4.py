@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import tiny_models
+from tiny_models import make_tiny_v4_model, randomize_v4_extras, tiny_v4_config  # noqa: F401
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.layers import deepseek_v4 as v4_attention
 from engine.layers.deepseek_v4 import DeepseekV4Attention, merge_scopes_with_sinks
@@ -31,50 +32,6 @@ from engine.parallel import state as parallel_state
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 LONG_PROMPT = list(range(3, 60))  # 57 tokens: 7 windows of 8, 28 CSA entries (top-4 chosen), 7 HCA entries
 PROMPTS = [LONG_PROMPT, [5, 6, 7], list(range(100, 131))]
-
-
-def tiny_v4_config(**overrides) -> dict:
-    """DeepseekV4Config arguments of the tiny test model (any can be overridden)."""
-    return {**dict(
-        hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
-        q_lora_rank=32, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention"],
-        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 8},
-        sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=4,
-        swiglu_limit=1.0, hc_mult=4, hc_sinkhorn_iters=20, routed_scaling_factor=1.5,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-        max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5), **overrides}
-
-
-def make_tiny_v4_model(folder: Path, seed: int = 0, **overrides) -> Path:
-    """Save a random tiny DeepSeek-V4 (tiny_v4_config) with its tokenizer into `folder`. transformers starts
-    the sinks, compressor position biases, hyper-connection biases and router biases at zero and every
-    token's hash experts at expert 0: random ones here, so that each of them matters."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_models.build_tokenizer(folder)
-    config = AutoConfig.for_model("deepseek_v4", **tiny_v4_config(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **overrides))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_v4_extras(model, seed)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
-
-
-def randomize_v4_extras(model, seed: int = 0) -> None:
-    generator = torch.Generator().manual_seed(seed + 1)
-    num_experts, top_k = model.config.n_routed_experts, model.config.num_experts_per_tok
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("tid2eid"):
-                tensor.copy_(torch.stack([torch.randperm(num_experts, generator=generator)[:top_k]
-                                          for _ in range(tensor.shape[0])]))
-            elif name.endswith(("sinks", "position_bias", "e_score_correction_bias", "_hc.base", "hc_base")):
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
 
 
 @pytest.fixture(autouse=True)
