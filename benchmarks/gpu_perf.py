@@ -368,6 +368,8 @@ def hf_throughput(args) -> dict:
     if args.num_requests:
         prompts, output_lens = prompts[:args.num_requests], output_lens[:args.num_requests]
     hf = hf_model(args.model)
+    if args.hf_static_batch:
+        return hf_static_batches(hf, prompts, output_lens, args.hf_static_batch)
     generation = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=None, pad_token_id=0)
     manager = hf.init_continuous_batching(generation_config=generation)
     manager.start()
@@ -396,12 +398,47 @@ def hf_throughput(args) -> dict:
     return {"hf_cb_tok_s": tok_s, "seconds": seconds, "num_requests": len(prompts), "output_tokens": produced}
 
 
+def hf_static_batches(hf, prompts, output_lens, batch_size: int) -> dict:
+    """transformers `generate` over static batches (for models its continuous batching cannot run): requests
+    sorted by prompt length, `batch_size` at a time, left-padded; each batch runs to its longest output and
+    only each request's own output length counts as produced."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+    def run(batch):
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.int64, device="cuda")
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        n = max(output_lens[i] for i in batch)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return sum(output_lens[i] for i in batch)
+
+    run(batches[0][:2])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    produced = sum(run(batch) for batch in batches)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tok_s = produced / seconds
+    print_table(["transformers static batches", "output tok/s", "seconds", "requests"],
+                [(f"generate, batches of {batch_size}", f"{tok_s:.0f}", f"{seconds:.1f}", str(len(prompts)))])
+    return {"hf_static_tok_s": tok_s, "seconds": seconds, "num_requests": len(prompts), "output_tokens": produced,
+            "batch_size": batch_size}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["latency", "throughput", "hf-throughput"])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-static-batch", type=int, default=0, metavar="N",
+                        help="hf-throughput: transformers generate over static batches of N instead of its "
+                             "continuous batching (for models that cannot run there)")
     parser.add_argument("--variant", action="append", default=[], choices=sorted(KERNEL_VARIANTS),
                         help="latency, throughput: also time this earlier kernel sequence in the same run (repeatable, "
                              "cumulative)")
