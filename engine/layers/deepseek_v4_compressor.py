@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.kv_cache_spec import StateSpec
 from engine.layers.deepseek_v4_rope import DeepseekV4RMSNorm, TrailingRope, rotate_trailing
+from engine.layers.dsa import top_index_scores
 from engine.layers.linear import ReplicatedLinear
 
 
@@ -160,8 +161,7 @@ class Indexer(WindowPooling):
             future = entries[None, :] >= visible[rows, None]
             slots = key_slots(rows, entries[None, :].masked_fill(future, -1))
             gathered = flat_keys[slots.clamp(min=0)].float()             # [R, E, head_dim]
-            scores = torch.relu(torch.einsum("rhd,red->rhe", q[rows], gathered)) * self.head_dim ** -0.5
-            scores = (scores * head_weights[rows, :, None]).sum(dim=1).masked_fill(future, float("-inf"))
-            picked = scores.topk(top_k, dim=-1).indices
+            # Ties to the lower entry (a stable sort): the same choice on every TP rank.
+            picked = top_index_scores(q[rows], head_weights[rows], gathered, ~future, top_k, self.head_dim ** -0.5)
             chosen[rows] = picked.masked_fill(picked >= visible[rows, None], -1)
         return chosen

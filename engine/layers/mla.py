@@ -111,11 +111,16 @@ class MLAAttention(KVCacheLayer):
             self._weights = MLAWeights(kv_b, w_uk, w_uv)
         return self._weights
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+        """The step's queries and cache entries: q_nope [T, H, N], q_pe [T, H, R] (rotated), the normalised
+        latent [T, L], k_pe [T, 1, R] (rotated), and the q-LoRA residual [T, q_lora_rank] (None without
+        q-LoRA; DSA's indexer reads it)."""
+        q_resid = None
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            q = self.q_b_proj(q_resid)
         q_nope, q_pe = q.view(-1, self.num_heads, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim],
@@ -124,6 +129,10 @@ class MLAAttention(KVCacheLayer):
         # Rotated copies (a backend's rotation may work in place; q_pe and k_pe are views of the projections).
         q_pe, k_pe = ops.rotary_embedding(positions, q_pe.contiguous(), k_pe.contiguous()[:, None],
                                           self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style)
+        return q_nope, q_pe, latent, k_pe, q_resid
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q_nope, q_pe, latent, k_pe, _ = self.project(positions, hidden_states)
         context = get_forward_context()
         if context.attn_metadata is None:  # a lockstep dummy step: nothing to attend to, nothing to cache
             out = q_nope.new_zeros(q_nope.shape[0], self.num_heads * self.v_head_dim)

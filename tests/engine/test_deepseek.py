@@ -256,6 +256,7 @@ def _tensor_parallel_worker(rank: int, folder: str, rendezvous: str, out: str) -
     model = build_model(resolve_model(folder), torch.float32, torch.device("cpu"), show_progress=False)
     heads = {m.num_heads for m in model.modules() if isinstance(m, MLAAttention)}
     torch.save({"logits": _prefill_then_decode_logits(model, PROMPTS[1]), "heads": heads}, f"{out}/rank{rank}.pt")
+    dist.barrier()  # neither rank tears gloo down while the other may still be using it (seen: SIGABRT)
     dist.destroy_process_group()
 
 

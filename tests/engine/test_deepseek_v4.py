@@ -235,6 +235,7 @@ def _two_rank_worker(rank: int, folder: str, rendezvous: str, out: str, expert_p
                                  max_num_batched_tokens=len(LONG_PROMPT))
     model = build_model(resolve_model(folder), torch.float32, torch.device("cpu"), show_progress=False)
     torch.save(tiny_models.engine_logits(model, LONG_PROMPT), f"{out}/rank{rank}.pt")
+    dist.barrier()  # neither rank tears gloo down while the other may still be using it (seen: SIGABRT)
     dist.destroy_process_group()
 
 

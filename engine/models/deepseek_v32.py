@@ -1,0 +1,70 @@
+"""DeepSeek-V3.2 and GLM-5 (`GlmMoeDsaForCausalLM`): DeepSeek-V3 (engine/models/deepseek_v2.py: its MoE
+routing, dense first layers, MTP tensors skipped) with DeepSeek Sparse Attention in every layer
+(engine/layers/dsa.py: a lightning indexer picks `index_topk` keys per query, latent attention reads only
+those).
+
+Both take the dense/MoE pattern from `mlp_layer_types` (transformers derives it from first_k_dense_replace).
+GLM-5 differs in its indexer's RoPE (GPT-J pairs, not neox halves) and in `indexer_types`: a "shared" layer
+has no indexer and reuses the selection of the last "full" layer before it (the first layer must be full).
+Its other differences (v_head_dim unlike qk_nope_head_dim, one expert group) are MLA and router settings the
+V3 layers already read."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.dsa import DSAOptions, SparseMLAAttention, TopkRelay
+from engine.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+MLP_LAYER_TYPES = ("dense", "sparse")
+INDEXER_TYPES = ("full", "shared")
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    def __init__(self, config, residual_dtype=None) -> None:
+        check_layer_types(config, "mlp_layer_types", MLP_LAYER_TYPES)
+        self.topk_relay = TopkRelay()  # the step's selection, from a full indexer layer to shared ones
+        super().__init__(config, residual_dtype=residual_dtype)
+
+    def dsa_options(self, layer_index: int) -> DSAOptions:
+        return DSAOptions(index_rope_interleaved=False, reuses_topk=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        try:
+            return super().forward(input_ids, positions)
+        finally:
+            self.topk_relay.slots = None  # [tokens, index_topk] slots: not kept alive between steps
+
+    def build_attention(self, layer_index: int) -> nn.Module:
+        return SparseMLAAttention(self.config, self.dsa_options(layer_index), self.topk_relay)
+
+    def is_sparse_layer(self, layer_index: int) -> bool:
+        layer_types = getattr(self.config, "mlp_layer_types", None)
+        if layer_types is None:
+            return super().is_sparse_layer(layer_index)
+        return layer_types[layer_index] == "sparse"
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    def __init__(self, config, residual_dtype=None) -> None:
+        check_layer_types(config, "indexer_types", INDEXER_TYPES)
+        types = getattr(config, "indexer_types", None)
+        if types and types[0] != "full":
+            raise ValueError("indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of a full "
+                             f"indexer layer before it, and layer 0 has none (got {types[0]!r})")
+        super().__init__(config, residual_dtype=residual_dtype)
+
+    def dsa_options(self, layer_index: int) -> DSAOptions:
+        types = getattr(self.config, "indexer_types", None)
+        return DSAOptions(index_rope_interleaved=True,
+                          reuses_topk=bool(types) and types[layer_index] == "shared")
+
+
+def check_layer_types(config, field: str, allowed: tuple[str, ...]) -> None:
+    """A per-layer type list, when the config has one: one known value per decoder layer."""
+    types = getattr(config, field, None)
+    if types is None:
+        return
+    if len(types) != config.num_hidden_layers or any(kind not in allowed for kind in types):
+        raise ValueError(f"config.{field} must list one of {allowed} for each of the {config.num_hidden_layers} "
+                         f"layers, got {list(types)}")
