@@ -31,6 +31,8 @@ CONFIGS_MANY_ROWS = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)
 
 
 def projection_shapes(config: dict, tp: int) -> dict[str, tuple[int, int]]:
+    if config.get("kv_lora_rank"):
+        return mla_moe_projection_shapes(config, tp)
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     inter = config["intermediate_size"]
@@ -41,6 +43,30 @@ def projection_shapes(config: dict, tp: int) -> dict[str, tuple[int, int]]:
         "down": (hidden, inter // tp),
         "lm_head": (config["vocab_size"] // tp, hidden),
     }
+
+
+def mla_moe_projection_shapes(config: dict, tp: int) -> dict[str, tuple[int, int]]:
+    """A DeepSeek (MLA + MoE) model's dense decode GEMMs: the attention projections, the shared experts (one
+    MLP of n_shared x the expert width), a dense first layer's MLP and the LM head (the routed experts run
+    in the MoE kernels, not here)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"] // tp
+    qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    shapes = {}
+    if config.get("q_lora_rank"):
+        shapes["q_a"] = (config["q_lora_rank"], hidden)
+        shapes["q_b"] = (heads * qk, config["q_lora_rank"])
+    else:
+        shapes["q"] = (heads * qk, hidden)
+    shapes["kv_a"] = (config["kv_lora_rank"] + config["qk_rope_head_dim"], hidden)
+    shapes["o"] = (hidden, heads * config["v_head_dim"])
+    shared = config.get("n_shared_experts") or 0
+    if shared:
+        shapes["shared_gate_up"] = (2 * shared * config["moe_intermediate_size"] // tp, hidden)
+        shapes["shared_down"] = (hidden, shared * config["moe_intermediate_size"] // tp)
+    shapes["gate_up"] = (2 * config["intermediate_size"] // tp, hidden)
+    shapes["down"] = (hidden, config["intermediate_size"] // tp)
+    shapes["lm_head"] = (config["vocab_size"] // tp, hidden)
+    return shapes
 
 
 def time_calls(calls: list, replays: int = 10) -> float:
