@@ -258,3 +258,18 @@ def randomize_v4_extras(model, seed: int = 0) -> None:
                                           for _ in range(tensor.shape[0])]))
             elif name.endswith(("sinks", "position_bias", "e_score_correction_bias", "_hc.base", "hc_base")):
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
+
+
+def generate_staggered(engine, prompts: list[list[int]], params, every: int) -> list[list[int]]:
+    """Drive an LLMEngine step by step, adding the next prompt every `every` steps (so later requests are
+    prefilled in the same steps as earlier ones decode); each prompt's output tokens, in order."""
+    pending, finished, steps = list(enumerate(prompts)), {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % every == 0:
+            index, prompt = pending.pop(0)
+            engine.add_request(str(index), prompt, params)
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output.token_ids
+        steps += 1
+    return [finished[index] for index in range(len(prompts))]

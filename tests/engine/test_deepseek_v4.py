@@ -84,17 +84,8 @@ def test_chunked_prefill_and_requests_joining_mid_flight_keep_transformers_token
     prompts = [PROMPTS[0], PROMPTS[2]]
     engine = LLMEngine(EngineConfig(str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=11,
                                     max_num_seqs=2), show_progress=False)
-    pending, finished, steps = list(enumerate(prompts)), {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and steps % 4 == 0:
-            index, prompt = pending.pop(0)
-            engine.add_request(str(index), prompt, GREEDY_32)
-        for output in engine.step():
-            if output.finished:
-                finished[int(output.request_id)] = output.token_ids
-        steps += 1
-    for index, prompt in enumerate(prompts):
-        assert finished[index] == hf_tokens[tuple(prompt)]
+    outputs = tiny_models.generate_staggered(engine, prompts, GREEDY_32, every=4)
+    assert outputs == [hf_tokens[tuple(prompt)] for prompt in prompts]
 
 
 def test_decode_step_reads_the_window_and_the_chosen_entries_not_the_context(llm, monkeypatch):

@@ -105,16 +105,5 @@ def test_requests_joining_mid_flight_share_steps_and_keep_hf_tokens(tiny_model_d
     """Later requests are prefilled in the same steps as earlier ones decode (mixed batches)."""
     folder = tiny_model_dirs["qwen2"]
     engine = LLMEngine(EngineConfig(str(folder), dtype="float32", max_num_batched_tokens=24, max_num_seqs=8), show_progress=False)
-    finished = {}
-    pending = list(enumerate(PROMPTS))
-    steps = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and steps % 3 == 0:
-            index, prompt = pending.pop(0)
-            engine.add_request(str(index), prompt, GREEDY_32)
-        for output in engine.step():
-            if output.finished:
-                finished[int(output.request_id)] = output.token_ids
-        steps += 1
-    for index, prompt in enumerate(PROMPTS):
-        assert finished[index] == tiny_models.hf_greedy(folder, prompt, 32)
+    outputs = tiny_models.generate_staggered(engine, PROMPTS, GREEDY_32, every=3)
+    assert outputs == [tiny_models.hf_greedy(folder, prompt, 32) for prompt in PROMPTS]
