@@ -116,3 +116,21 @@ def test_smollm2_on_gpu_says_paris():
     llm = LLM("smollm2-135m", show_progress=False)
     output = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
     assert "Paris" in output.text
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
+def test_sparse_latent_attention_models_in_float32_give_transformers_tokens(arch, tmp_path):
+    """DeepSeek-V3.2 and GLM-5 (DSA) and DeepSeek-V4 (window and compressed scopes, per-request compressor
+    state) on the GPU's own kernels (Triton MLA, sparse attention, clamped experts), chunked and not: in
+    float32, transformers' greedy tokens."""
+    if arch == "deepseek_v4":
+        folder = tiny_models.make_tiny_v4_model(tmp_path / arch)
+    else:
+        import test_deepseek_v32 as dsa
+        folder = dsa.make_dsa_model(tmp_path / arch, getattr(dsa, f"{arch}_config")())
+    hf = hf_on_gpu(folder, torch.float32)
+    prompts = [list(range(3, 60)), [5, 6, 7], list(range(100, 131))]
+    expected = [hf_greedy(hf, prompt) for prompt in prompts]
+    for engine_args in ({}, dict(max_num_batched_tokens=16, max_num_seqs=4)):
+        llm = LLM(str(folder), dtype="float32", show_progress=False, **engine_args)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected, engine_args
