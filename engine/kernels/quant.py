@@ -10,6 +10,10 @@ Schemes (`QuantScheme.method`), each with its GEMM op `gemm_<method>` and MoE op
 | `fp8_block`   | fp8 e4m3fn [N, K]      | [ceil(N/bn), ceil(K/bk)] (bn, bk = block) | dynamic per token and K-block of bk |
 | `mxfp4`       | uint8 [N, K/2]: two e2m1 codes per byte, even k in the low nibble | uint8 e8m0 [N, K/32]: 2^(e - 127) | "none": unquantized (w4a16); "mxfp4": dynamic per 1x32 |
 
+Checkpoints store some of these under other dtypes, converted on load (engine/loader/quant_plan.py
+`stored_form`): power-of-two (ue8m0) fp8_block scales as float8_e8m0fnu or exponent bytes, and DeepSeek-V4's
+FP4 experts (mxfp4 exactly, the codes as int8, the scales as float8_e8m0fnu).
+
 MoE experts add a leading expert dimension E to the weight and scale (per-tensor: [E]). A scale multiplies:
 W = weight.float() * scale (broadcast per block / row / group). Activations, where quantized, are quantized
 to the same format with dynamic scales, s = amax / fp8_max over their group, and the GEMM is exactly the

@@ -23,12 +23,15 @@ import torch
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from engine.kernels import ops
 from engine.kernels.mla import mla_sparse_attention
+from engine.kernels.quant import QuantizedWeight
+from engine.kernels.registry import prepare_quantized
 from engine.kv_cache_spec import CacheSpec, PagedSpec, entry_slots
 from engine.layers.attention import KVCacheLayer
 from engine.layers.deepseek_v4_compressor import Indexer, StepLayout, WindowPooling
 from engine.layers.deepseek_v4_rope import DeepseekV4RMSNorm, TrailingRope, rotate_trailing, unit_rms_norm
-from engine.layers.linear import ReplicatedLinear
+from engine.layers.linear import LinearBase, ReplicatedLinear
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -46,18 +49,43 @@ def merge_scopes_with_sinks(outs: list[torch.Tensor], lses: list[torch.Tensor], 
     return torch.where(finite[..., None], out, torch.zeros_like(out)).to(outs[0].dtype)
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(LinearBase):
     """Block-diagonal projection: input [T, groups, in_per_group] -> [T, groups * out_per_group], group g by
-    rows [g * out_per_group, (g + 1) * out_per_group) of `weight` [groups * out_per_group, in_per_group]."""
+    rows [g * out_per_group, (g + 1) * out_per_group) of `weight` [groups * out_per_group, in_per_group],
+    replicated on every rank. Quantized (FP8 128x128 blocks in DeepSeek-V4-Flash), each group runs the scheme's
+    GEMM over its rows of the weight and their scales, so a group must cover whole blocks of scale rows."""
 
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
-        super().__init__()
+        super().__init__(in_per_group, out_features, bias=False, tp_dim=None)
         self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out_features, in_per_group), requires_grad=False)
+        self.group_weights: list[QuantizedWeight] = []
+
+    def finish_loading(self) -> None:
+        """Split the loaded quantized weight into one QuantizedWeight per group (views) and prepare each."""
+        scheme, self.group_weights = self.quant_scheme, []
+        if scheme is None:
+            return
+        rows = self.output_size // self.groups
+        per_scale_row = scheme.block[0] if scheme.method == "fp8_block" else 1
+        if rows % per_scale_row:
+            raise ValueError(f"grouped projection: groups of {rows} rows do not cover whole {per_scale_row}-row "
+                             f"blocks of {scheme.describe()} scales")
+        input_scale = None if self.input_scale is None else self.input_scale.data.max().reshape(1)
+        op = getattr(ops, scheme.gemm_op)
+        for g in range(self.groups):
+            scale = self.weight_scale.data
+            if scheme.method != "fp8_tensor":  # one scale for all groups otherwise
+                scale = scale[g * rows // per_scale_row:(g + 1) * rows // per_scale_row]
+            group = QuantizedWeight(scheme, self.weight.data[g * rows:(g + 1) * rows], scale, input_scale)
+            prepare_quantized(op, group)
+            self.group_weights.append(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.view(self.groups, -1, self.weight.shape[1])
-        return torch.einsum("tgi,goi->tgo", x, weight).flatten(1)
+        if self.quant_scheme is None:
+            weight = self.weight.view(self.groups, -1, self.weight.shape[1])
+            return torch.einsum("tgi,goi->tgo", x, weight).flatten(1)
+        op = getattr(ops, self.quant_scheme.gemm_op)
+        return torch.cat([op(x[:, g].contiguous(), group) for g, group in enumerate(self.group_weights)], dim=-1)
 
 
 class DeepseekV4Attention(KVCacheLayer):

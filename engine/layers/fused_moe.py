@@ -160,7 +160,7 @@ class FusedMoE(nn.Module):
         """`shared_experts`: an MLP run on every token beside the routed experts, built with an unreduced
         row-parallel down projection (its partial sum is reduced together with the routed experts').
         `swiglu_limit`: the routed experts clamp gate <= limit and up to [-limit, limit] before silu(gate) * up
-        (DeepSeek-V4); full-precision experts only."""
+        (DeepSeek-V4), full-precision or quantized."""
         super().__init__()
         _check_router(router, num_experts)
         state = get_parallel_state()
@@ -222,10 +222,10 @@ class FusedMoE(nn.Module):
 
     EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
                              r"(weight|weight_scale|weight_scale_inv|input_scale)$")
-    FUSED_NAME = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_blocks|_scales)?$")
+    FUSED_NAME = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_blocks|_scales|_scale_inv)?$")
     PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
     ROLE = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale", "input_scale": "_input_scale",
-            None: "", "_blocks": "", "_scales": "_scale"}
+            None: "", "_blocks": "", "_scales": "_scale", "_scale_inv": "_scale"}
 
     @classmethod
     def checkpoint_target(cls, name: str) -> tuple[str, tuple] | None:
@@ -233,7 +233,8 @@ class FusedMoE(nn.Module):
         `<layer>.mlp.experts.3.up_proj.weight` -> (`<layer>.mlp.w13`, (3, 'up'));
         `<layer>.mlp.experts.3.up_proj.weight_scale_inv` -> (`<layer>.mlp.w13_scale`, (3, 'up'));
         `<layer>.mlp.experts.gate_up_proj` -> (`<layer>.mlp.w13`, ('fused',)) (the FusedMoE sits at `mlp`);
-        gpt-oss MXFP4 `<layer>.mlp.experts.gate_up_proj_blocks` / `_scales` -> w13 / w13_scale, ('fused',)."""
+        gpt-oss MXFP4 `<layer>.mlp.experts.gate_up_proj_blocks` / `_scales` -> w13 / w13_scale, ('fused',);
+        transformers' FP8/FP4 experts (FP8Experts) `<layer>.mlp.experts.gate_up_proj_scale_inv` -> w13_scale."""
         match = cls.EXPERT_NAME.search(name)
         if match:
             part = cls.PART[match.group(2)]
@@ -360,13 +361,11 @@ class FusedMoE(nn.Module):
         prepare_quantized(op, self.q2)
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.q13 is not None:
-            if self.swiglu_limit is not None:
-                raise NotImplementedError("clamped SwiGLU experts (swiglu_limit) have no quantized kernel yet")
-            return getattr(ops, self.quant_scheme.moe_op)(x, self.q13, self.q2, weights, ids)
-        if self.swiglu_limit is not None:
-            return ops.fused_experts(x, self.w13, self.w2, weights, ids, swiglu_limit=self.swiglu_limit)
-        return ops.fused_experts(x, self.w13, self.w2, weights, ids)
+        op, w13, w2 = ((getattr(ops, self.quant_scheme.moe_op), self.q13, self.q2) if self.q13 is not None
+                       else (ops.fused_experts, self.w13, self.w2))
+        if self.swiglu_limit is not None:  # only then: backends without a clamp decline such models at start-up
+            return op(x, w13, w2, weights, ids, swiglu_limit=self.swiglu_limit)
+        return op(x, w13, w2, weights, ids)
 
     def count_expert_load(self, enabled: bool = True) -> None:
         self.load = ExpertLoad(self.num_experts) if enabled else None

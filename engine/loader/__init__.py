@@ -41,8 +41,8 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     model.eval()
     if source.format == "dummy":
         names_and_shapes = dummy_checkpoint_layout(source.hf_config)
-        load_weights(model, dummy_checkpoint(names_and_shapes, device, seed), len(names_and_shapes), show_progress,
-                     plan)
+        load_weights(model, dummy_checkpoint(names_and_shapes, device, seed, getattr(model, "dummy_tensor", None)),
+                     len(names_and_shapes), show_progress, plan)
     elif source.format == "gguf":
         load_weights(model, source.gguf.iter_weights(), source.gguf.num_tensors, show_progress, plan)
     else:
@@ -138,15 +138,20 @@ def dummy_checkpoint_layout(hf_config) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(tensor.shape)) for name, tensor in reference.state_dict().items()]
 
 
-def dummy_checkpoint(layout, device: torch.device, seed: int):
+def dummy_checkpoint(layout, device: torch.device, seed: int, special=None):
     """A random checkpoint: N(0, 0.02) matrices, unit norm weights, zero biases. Each tensor is drawn from
-    a generator seeded by its name, so every tensor-parallel layout shards the same model."""
+    a generator seeded by its name, so every tensor-parallel layout shards the same model. `special(name,
+    shape, generator)` (a model's `dummy_tensor`) may draw a tensor that must hold valid values instead
+    (e.g. expert ids), or return None."""
     generator = torch.Generator(device=device)
     for name, shape in layout:
-        if "norm" in name:
+        generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        drawn = special(name, shape, generator) if special is not None else None
+        if drawn is not None:
+            yield name, drawn
+        elif "norm" in name:
             yield name, torch.ones(shape, device=device)
         elif name.endswith("bias"):
             yield name, torch.zeros(shape, device=device)
         else:
-            generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             yield name, torch.empty(shape, device=device).normal_(0.0, 0.02, generator=generator)

@@ -9,6 +9,7 @@ import re
 import torch
 from torch import nn
 
+from engine.kernels.quant import e8m0_to_float
 from engine.layers.quantization import ONLINE_METHODS, QuantPlan, quantize_for_loading
 from engine.loader.source import ModelSourceError
 
@@ -50,21 +51,28 @@ def _checkpoint_names(model: nn.Module, name: str) -> list[str]:
 
 
 def apply_plan(model: nn.Module, plan: QuantPlan) -> None:
-    """Give every layer whose scheme is not the plan's default its own (excluded layers, overrides)."""
+    """Give every layer whose scheme is not the plan's default its own (excluded layers, overrides). A model's
+    `unquantized_modules` (patterns of engine.quantization.config.module_matches over our module names, as
+    transformers' `_keep_in_fp32_modules`: layers its quantized releases ship in full precision whatever the
+    quantization_config says) stay full precision under every plan."""
     from engine.layers.fused_moe import FusedMoE
     from engine.layers.linear import LinearBase
+    from engine.quantization.config import module_matches
+    keep = getattr(model, "unquantized_modules", ())
     for name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
+        if not isinstance(module, (FusedMoE, LinearBase)):
+            continue
+        if any(module_matches(pattern, name) for pattern in keep):
+            wanted = None
+        elif isinstance(module, FusedMoE):
             prefix = _checkpoint_names(model, name)[0]
             wanted = plan.experts(f"{prefix}.experts")
-        elif isinstance(module, LinearBase):
+        else:
             schemes = {plan.linear(n) for n in _checkpoint_names(model, name)}
             if len(schemes) > 1:
                 raise ModelSourceError(f"{name} fuses checkpoint layers {_checkpoint_names(model, name)} that are "
                                        f"quantized differently ({schemes}); they must share one scheme")
             wanted = schemes.pop()
-        else:
-            continue
         if wanted != module.quant_scheme:
             module.set_quant_scheme(wanted)
 
@@ -92,11 +100,44 @@ def checkpoint_param_name(name: str, params: dict) -> str | None:
     return name
 
 
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
+
+
+def stored_form(name: str, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor in its parameter's stored form where the checkpoint's dtype is another encoding of
+    the same values (engine/kernels/quant.py: FP8 scales float32, MXFP4 codes and scales uint8):
+    - packed e2m1 codes stored as int8 (DeepSeek-V4's FP4 experts) or float4_e2m1fn_x2: the same bytes;
+    - e8m0 scales (`scale_fmt: "ue8m0"`) as float8_e8m0fnu: the exponent bytes of an MXFP4 scale, or the
+      (exact, power-of-two) float32 scale of an FP8 layer;
+    - e8m0 exponent bytes (uint8) for an FP8 layer's float32 scale: 2^(e - 127);
+    - float32 scales of an MXFP4 layer: their exponents, which must be powers of two.
+    Anything else is returned as it is (the parameter's loader converts or refuses it)."""
+    is_scale = name.endswith("scale")
+    if param.dtype == torch.uint8:
+        if tensor.dtype in (torch.int8, _E8M0, _FP4X2):
+            return tensor.view(torch.uint8)
+        if is_scale and tensor.dtype == torch.float32:
+            exponent = torch.log2(tensor)
+            if not (torch.isfinite(exponent).all() and (exponent == exponent.round()).all()
+                    and exponent.abs().max() <= 127):
+                raise ValueError("MXFP4 scales must be powers of two within 2^-127 .. 2^127 (e8m0)")
+            return (exponent + 127).to(torch.uint8)
+    elif param.dtype == torch.float32 and is_scale:
+        if tensor.dtype == _E8M0:
+            return tensor.float()
+        if tensor.dtype == torch.uint8:
+            return e8m0_to_float(tensor)
+    return tensor
+
+
 def online_quantized(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor, params: dict,
                      plan: QuantPlan | None):
-    """(parameter name, tensor) pairs to load for one checkpoint tensor: itself, or, when `plan` quantizes
-    online and the tensor is a full-precision weight of a quantized layer, its quantized values and scale (and
-    an input scale of 1 where the scheme's activations are static: random weights have no calibration)."""
+    """(parameter name, tensor) pairs to load for one checkpoint tensor: itself in its parameter's stored form
+    (`stored_form`), or, when `plan` quantizes online and the tensor is a full-precision weight of a quantized
+    layer, its quantized values and scale (and an input scale of 1 where the scheme's activations are static:
+    random weights have no calibration)."""
+    tensor = stored_form(name, param, tensor)
     quantizing = (plan is not None and plan.online and tensor.is_floating_point()
                   and param.dtype in (torch.float8_e4m3fn, torch.uint8))
     if not quantizing:

@@ -11,8 +11,13 @@ layers), weighted by the chosen scores renormalised, times `routed_scaling_facto
 expert are SwiGLU clamped at `swiglu_limit` (gate <= limit, -limit <= up <= limit). Norm, hyper-connection,
 sink, position-bias and router-bias weights stay float32, as transformers keeps them.
 
-Checkpoints: transformers' names (save_pretrained). DeepSeek's own release names (`layers.0.attn.wq_a`,
-FP8/FP4 weights) are not read."""
+Checkpoints: DeepSeek's release names (`layers.0.attn.wq_a.weight`, `layers.0.ffn.experts.3.w1.scale`) and
+transformers' (save_pretrained: `model.layers.0.self_attn.q_a_proj.weight`, `...weight_scale_inv`, fused
+`mlp.experts.gate_up_proj` / `gate_up_proj_scale_inv`), full precision or quantized as DeepSeek-V4-Flash
+ships: `quantization_config` fp8 with 128x128 blocks and ue8m0 scales for the linear layers (the shared expert
+and the grouped o_a_proj included), `expert_dtype: "fp4"` MXFP4 routed experts (engine/quantization/config.py
+FP4_EXPERTS states the layout), and the compressors' and indexer's kv/gate projections and the indexer's
+weights_proj in bf16 whatever the config says (`unquantized_modules`)."""
 from __future__ import annotations
 
 import re
@@ -120,6 +125,10 @@ class DeepseekV4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    # Shipped in bf16 beside FP8 layers in DeepSeek-V4-Flash (transformers' `_keep_in_fp32_modules`).
+    unquantized_modules = tuple(f"model.layers.*.self_attn.compressor.{name}" for name in (
+        "kv_proj", "gate_proj", "indexer.kv_proj", "indexer.gate_proj", "indexer.scorer.weights_proj"))
+
     def __init__(self, config, residual_dtype: torch.dtype | None = None) -> None:
         """`residual_dtype` is not used: the hyper-connection streams stay in the activations' dtype, their
         mixing weights in float32, as in transformers."""
@@ -138,6 +147,15 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
+    def dummy_tensor(self, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor | None:
+        """Random weights (`load_format="dummy"`): a hash layer's token -> experts table must name
+        `top_k` distinct experts of the layer's per token."""
+        if not name.endswith("tid2eid"):
+            return None
+        vocab, top_k = shape
+        scores = torch.rand(vocab, self.config.n_routed_experts, generator=generator, device=generator.device)
+        return scores.argsort(dim=1)[:, :top_k].to(torch.int64)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
 
@@ -153,6 +171,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 # DeepSeek's release names (which transformers' save_pretrained writes back) -> transformers' module names,
 # applied in order to the part of a layer tensor's name after `layers.<i>`.
 _LAYER_RENAMES = [(re.compile(pattern), replacement) for pattern, replacement in (
+    (r"(?<!_hc)\.scale$", ".weight_scale_inv"),  # a quantized weight's scale (`attn_hc.scale` is the HC's own)
     (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
     (r"\.attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
     (r"\.attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),

@@ -3,8 +3,13 @@ scheme each checkpoint Linear (`model.layers.0.self_attn.q_proj`) and each layer
 (`model.layers.3.mlp.experts`) use, and whether the checkpoint carries per-tensor FP8 KV-cache scales.
 
 Formats (quant_method, who writes it: how it maps):
-- `fp8` (DeepSeek-V3/R1, Qwen3-*-FP8, GLM-4.5-FP8): with `weight_block_size` fp8_block (dynamic activations),
-  else fp8_tensor with `activation_scheme`; exclusions in `ignored_layers` / `modules_to_not_convert`.
+- `fp8` (DeepSeek-V3/R1/V4, Qwen3-*-FP8, GLM-4.5-FP8): with `weight_block_size` fp8_block (dynamic
+  activations), else fp8_tensor with `activation_scheme`; exclusions in `ignored_layers` /
+  `modules_to_not_convert`. `scale_fmt: "ue8m0"` (DeepSeek-V3.2/V4) only says the scales are powers of two:
+  they load as float32 scales whatever dtype stores them (float32, float8_e8m0fnu, or e8m0 exponent bytes;
+  engine/loader/quant_plan.py `stored_form`). `expert_dtype` (transformers' name; DeepSeek-V4 writes it at the
+  top level of config.json, V4.1 inside quantization_config; both are read): "fp8" (default) quantizes the
+  routed experts as the linear layers, "fp4" as MXFP4 (FP4_EXPERTS below).
 - `compressed-tensors` (llm-compressor, RedHatAI/*): each `config_groups` entry by its weight and input
   strategies: channel + dynamic token -> fp8_channel, tensor + tensor -> fp8_tensor, block + dynamic group of
   the block's width -> fp8_block; targets `Linear`, names or `re:` regexes; exclusions in `ignore`.
@@ -31,6 +36,18 @@ from engine.kernels.quant import MXFP4_GROUP, QuantScheme
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 # How routed experts' projections are named in checkpoints: one by one (two conventions) or fused.
 EXPERT_PROBES = (("0.gate_proj", "0.up_proj", "0.down_proj"), ("0.w1", "0.w3", "0.w2"), ("gate_up_proj", "down_proj"))
+
+
+# DeepSeek-V4's `expert_dtype: "fp4"` routed experts, as transformers' FP8Experts allocates and dequantizes them
+# (integrations/finegrained_fp8.py `_alloc_expert_proj(weight_k_div=2, sf_gran_n=1, sf_gran_k=32)`,
+# `Fp8Dequantize._unpack_fp4`), checked against that code: weight int8 [N, K/2], two e2m1 codes per byte, the
+# even k in the low nibble (`u8 & 0xF` is value 2j, `u8 >> 4` value 2j + 1), code bit 3 the sign, magnitudes
+# 0, .5, 1, 1.5, 2, 3, 4, 6; scale [N, K/32]: one power of two per output row and 32 consecutive k (ue8m0: an
+# e8m0 exponent, 2^(e - 127), stored as float8_e8m0fnu). That is the engine's `mxfp4` layout byte for byte
+# (engine/kernels/quant.py), int8 read as uint8. The activations stay unquantized (w4a16): transformers' and
+# DeepSeek's kernels quantize them to FP8 per 128 (w4a8); the engine's product is the more precise one.
+FP4_EXPERTS = QuantScheme("mxfp4", "none")
+EXPERT_DTYPES = ("fp8", "fp4")
 
 
 class QuantConfigError(ValueError):
@@ -80,6 +97,7 @@ class QuantConfig:
     exclude: tuple[str, ...] = ()
     experts_only: bool = False                    # gpt-oss: nothing but routed experts is quantized
     kv_cache_scales: bool = False                 # per-tensor FP8 k_scale / v_scale in the checkpoint
+    experts: QuantScheme | None = None            # routed experts' own scheme where quantized (DeepSeek-V4 fp4)
 
     def linear_scheme(self, module: str) -> QuantScheme | None:
         """The scheme of checkpoint Linear `module`; None: stored unquantized."""
@@ -109,6 +127,8 @@ class QuantConfig:
         if rule is not None and any(not _is_pattern(p) and p.startswith(prefix + ".") for p in self.exclude):
             raise QuantConfigError(f"the exclusion list names some experts of {prefix} but not all; the engine "
                                    f"needs one scheme for all of a layer's experts")
+        if rule is not None and self.experts is not None:
+            return self.experts
         return _checked(prefix, rule)
 
     def describe(self) -> str:
@@ -117,6 +137,8 @@ class QuantConfig:
             text = f"{self.method}: routed experts {describe_scheme(self.default)}, other layers unquantized"
         else:
             text = f"{self.method}: {describe_scheme(self.default)}"
+        if self.experts is not None:
+            text += f"; routed experts: {describe_scheme(self.experts)}"
         text += "".join(f"; {pattern}: {describe_scheme(rule)}" for pattern, rule in self.overrides)
         if self.exclude:
             text += f"; excluded: {', '.join(_summarized(self.exclude))}"
@@ -161,6 +183,10 @@ def parse_quantization_config(hf_config) -> QuantConfig | None:
         return None
     if not isinstance(raw, dict):
         raw = raw.to_dict()
+    top_level = hf_config.get("expert_dtype") if isinstance(hf_config, dict) else \
+        getattr(hf_config, "expert_dtype", None)
+    if top_level is not None and "expert_dtype" not in raw:  # DeepSeek-V4 keeps it beside the model's fields
+        raw = {**raw, "expert_dtype": top_level}
     method = raw.get("quant_method")
     if method not in PARSERS:
         raise QuantConfigError(f"quantization_config.quant_method {method!r} is not supported; supported: "
@@ -180,9 +206,13 @@ def _parse_hf_fp8(raw: dict) -> QuantConfig:
     if activation not in ("dynamic", "static"):
         raise QuantConfigError(f"quantization_config.activation_scheme {activation!r} is not supported; "
                                f"supported: 'dynamic', 'static'")
-    if raw.get("scale_fmt") not in (None, "ue8m0"):  # ue8m0: the fp32 scales are powers of two, same maths
+    if raw.get("scale_fmt") not in (None, "float", "ue8m0"):  # ue8m0: the scales are powers of two, same maths
         raise QuantConfigError(f"quantization_config.scale_fmt {raw['scale_fmt']!r} is not supported; "
-                               f"supported: 'ue8m0' or absent")
+                               f"supported: 'float', 'ue8m0' or absent")
+    expert_dtype = raw.get("expert_dtype") or "fp8"
+    if expert_dtype not in EXPERT_DTYPES:
+        raise QuantConfigError(f"quantization_config.expert_dtype {expert_dtype!r} is not supported; supported: "
+                               f"{', '.join(map(repr, EXPERT_DTYPES))}")
     block = raw.get("weight_block_size")
     if block is not None:
         if len(block) != 2:
@@ -194,7 +224,8 @@ def _parse_hf_fp8(raw: dict) -> QuantConfig:
     else:
         scheme = QuantScheme("fp8_tensor", activation)
     exclude = (*(raw.get("ignored_layers") or ()), *(raw.get("modules_to_not_convert") or ()))
-    return QuantConfig("fp8", scheme, exclude=exclude, kv_cache_scales=bool(raw.get("kv_cache_scheme")))
+    return QuantConfig("fp8", scheme, exclude=exclude, kv_cache_scales=bool(raw.get("kv_cache_scheme")),
+                       experts=FP4_EXPERTS if expert_dtype == "fp4" else None)
 
 
 # ---- compressed-tensors (llm-compressor) ---------------------------------------------------------------

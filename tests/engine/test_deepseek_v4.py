@@ -257,3 +257,17 @@ def test_cache_specs_declare_window_compressed_indexer_and_state():
 def _layer_config():
     from transformers import AutoConfig
     return AutoConfig.for_model("deepseek_v4", vocab_size=64, **tiny_v4_config())
+
+
+def test_dummy_weights_draw_a_valid_hash_routing_table(model_dir):
+    """load_format="dummy" (the benchmarks' random weights): each token's hash experts are distinct ids of
+    the layer's experts, so the model runs."""
+    model = build_model(resolve_model(str(model_dir), load_format="dummy"), torch.float32, torch.device("cpu"),
+                        show_progress=False)
+    tables = [p for name, p in model.named_parameters() if name.endswith("tid2eid")]
+    assert tables
+    for table in tables:
+        num_experts = model.config.n_routed_experts
+        assert int(table.min()) >= 0 and int(table.max()) < num_experts
+        assert all(len(set(row)) == len(row) for row in table[:64].tolist())
+    assert tiny_models.engine_logits(model, LONG_PROMPT).isfinite().all()

@@ -20,9 +20,12 @@ def gemm_quantized(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
 
 
 def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
-                            ids: torch.Tensor) -> torch.Tensor:
+                            ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     """`fused_experts` (engine/kernels/torch/moe.py) with quantized expert weights: each expert's GEMMs as
-    `gemm_quantized` (its activations quantized as its scheme says), the intermediate rounded to x's dtype."""
+    `gemm_quantized` (its activations quantized as its scheme says), the intermediate rounded to x's dtype.
+    `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up to [-limit, limit] before the SiLU, on the
+    gate/up GEMM's rounded output, as the full-precision op does."""
     return each_expert(x, weights, ids, w2.in_features,
                        lambda rows, e: gemm_quantized(rows, expert_slice(w13, e)),
-                       lambda rows, e: gemm_quantized(rows, expert_slice(w2, e), out_dtype=torch.float32))
+                       lambda rows, e: gemm_quantized(rows, expert_slice(w2, e), out_dtype=torch.float32),
+                       swiglu_limit)

@@ -34,10 +34,12 @@ W8A8_EXPERTS = True  # past 16 pairs per expert, FP8 experts multiply FP8 activa
 @triton.jit
 def _gate_up_kernel(x_ptr, x_scale_ptr, w13_ptr, w13_scale_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
                     num_pairs, hidden, inter, top_k, stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn,
-                    num_n_blocks, METHOD: tl.constexpr, ACT: tl.constexpr, BLOCK_SN: tl.constexpr,
+                    num_n_blocks, limit, METHOD: tl.constexpr, ACT: tl.constexpr, BLOCK_SN: tl.constexpr,
                     BLOCK_SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FAST_FP8: tl.constexpr = False):
-    """moe._gate_up_kernel with quantized w13[e] (rows n and I + n: gate and up) and activations as ACT says."""
+                    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FAST_FP8: tl.constexpr = False,
+                    CLAMP: tl.constexpr = False):
+    """moe._gate_up_kernel with quantized w13[e] (rows n and I + n: gate and up) and activations as ACT says;
+    CLAMP: gate <= limit and -limit <= up <= limit after the scales, before the SiLU (as moe._gate_up_kernel)."""
     if USE_PDL:
         pdl.enter()
     block = tl.program_id(0) // num_n_blocks
@@ -75,6 +77,9 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w13_ptr, w13_scale_ptr, act_ptr, sorted_
                         up_scale, METHOD, ACT, UPCAST, FAST_FP8)
     gate = scale_output(gate, x_scale_ptr, a_index, s_base, features, feature_mask, METHOD, ACT)
     up = scale_output(up, x_scale_ptr, a_index, s_base, inter + features, feature_mask, METHOD, ACT)
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     moe.store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter)
 
 
@@ -119,9 +124,11 @@ def _down_kernel(act_ptr, act_scale_ptr, w2_ptr, w2_scale_ptr, expert_out_ptr, s
 
 
 def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
-                            ids: torch.Tensor, tiles: moe.MoeTiles | None = None) -> torch.Tensor:
+                            ids: torch.Tensor, tiles: moe.MoeTiles | None = None,
+                            swiglu_limit: float | None = None) -> torch.Tensor:
     """`fused_experts` with quantized experts w13 [E, 2I, H] and w2 [E, H, I] (one scheme for both): the ops
-    fused_experts_fp8 and fused_experts_mxfp4."""
+    fused_experts_fp8 and fused_experts_mxfp4. `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up
+    to [-limit, limit] before the SiLU."""
     num_tokens, hidden = x.shape
     assert w13.scheme == w2.scheme, (w13.scheme, w2.scheme)
     assert w13.out_features == 2 * w2.in_features and w13.in_features == w2.out_features == hidden, \
@@ -130,12 +137,12 @@ def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: Quantized
     chunk = max(1, moe.PAIR_OUTPUT_BUDGET_BYTES // (ids.shape[1] * hidden * x.element_size()))
     for start in range(0, num_tokens, chunk):
         stop = min(num_tokens, start + chunk)
-        _chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles)
+        _chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles, swiglu_limit)
     return out
 
 
 def _chunk(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
-           out: torch.Tensor, tiles: moe.MoeTiles | None) -> None:
+           out: torch.Tensor, tiles: moe.MoeTiles | None, swiglu_limit: float | None = None) -> None:
     num_tokens, hidden = x.shape
     scheme = w13.scheme
     w13_weight, w13_scale = operands(w13)
@@ -161,8 +168,9 @@ def _chunk(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: 
     _gate_up_kernel[(num_blocks * n_blocks,)](
         a, a if a_scale is None else a_scale, w13_weight, w13_scale, act, sorted_pairs, block_expert, num_pairs,
         hidden, inter, top_k, a.stride(0), _row_stride(a_scale), w13_weight.stride(0), w13_weight.stride(1),
-        _row_stride(w13_scale), _scale_row_stride(w13_scale), n_blocks, ACT=act_code, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.gate_up_block_n, BLOCK_K=tiles.gate_up_block_k, **launch)
+        _row_stride(w13_scale), _scale_row_stride(w13_scale), n_blocks, float(swiglu_limit or 0.0), ACT=act_code,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_block_n, BLOCK_K=tiles.gate_up_block_k,
+        CLAMP=swiglu_limit is not None, **launch)
     a, a_scale, act_code = quantize_activations(act, w2, w8a8, tensor_per_token=True)
     n_blocks = triton.cdiv(hidden, tiles.down_block_n)
     _down_kernel[(num_blocks * n_blocks,)](
