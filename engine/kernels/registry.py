@@ -48,9 +48,11 @@ OPS = (
     "fused_experts_mxfp4",  #   -> [T,H], as fused_experts
     # Multi-head latent attention (engine/kernels/mla.py states the contracts):
     "mla_attention",        # (q_nope[T,H,N], q_pe[T,H,R], latent[T,L], k_pe[T,R], kv_cache, metadata, weights: MLAWeights,
-                            #   scale, block_size) -> [T,H,V]: writes the step's latent entries, then attends
-    "mla_sparse_attention", # (q[T,H,D], kv_cache [..., D] entries, slots[T,K] int (-1: none), scale, v_dim)
-                            #   -> (out[T,H,v_dim] in q's dtype, lse[T,H] fp32): each query over its listed entries
+                            #   scale, block_size, kv_quant: KVCacheQuant | None = None) -> [T,H,V]: writes the
+                            #   step's latent entries (FP8 with kv_quant's per-tensor scale), then attends
+    "mla_sparse_attention", # (q[T,H,D], kv_cache [..., D] entries, slots[T,K] int (-1: none), scale, v_dim,
+                            #   kv_quant=None) -> (out[T,H,v_dim] in q's dtype, lse[T,H] fp32): each query over
+                            #   its listed entries
 )
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.kernels import active_backend
-from engine.kernels.attention import KVCacheQuant
+from engine.kernels.attention import KV_SCALE_GRANULARITIES, KVCacheQuant
 from engine.kv_cache_spec import CacheSpec, PagedSpec
 
 
@@ -23,6 +23,7 @@ class KVCacheLayer(nn.Module):
     kv_quant: KVCacheQuant | None = None
     caches: dict[str, torch.Tensor] | None = None
     supports_fp8_kv_cache = True  # whether the layer can keep an FP8 cache (KVCacheQuant)
+    fp8_kv_scale_granularities: tuple[str, ...] = KV_SCALE_GRANULARITIES  # the KVCacheQuant kinds it can read
     supports_cuda_graphs = True   # whether its decode step can be captured (with a backend that can)
 
     def cache_specs(self) -> dict[str, CacheSpec]:

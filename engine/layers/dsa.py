@@ -17,7 +17,8 @@ queries and keys alike that changes no score.
 DeepSeek's own indexer rotates queries and keys by a Hadamard matrix and scores them in FP8; transformers
 skips both (the rotation is orthogonal, so it changes no score in exact arithmetic; FP8 is a speed choice), and
 so does this layer: index keys are cached in the model's dtype, one entry per token (the "index_k" cache,
-riding the latent cache's block table).
+riding the latent cache's block table), also when the latent cache ("kv") is FP8 (`kv_cache_dtype="fp8"`:
+written quantized with the layer's per-tensor scale, read dequantized by the sparse attention).
 
 Selection is deterministic: ties go to the lower position (a stable sort), and the scores come from inputs
 that every TP rank holds whole (replicated projections of the all-reduced hidden state), so all ranks pick
@@ -33,7 +34,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.kernels import ops
-from engine.kernels.mla import mla_sparse_attention
+from engine.kernels.mla import mla_sparse_attention, stored_entries
 from engine.kv_cache_spec import FULL_GROUP, CacheSpec, PagedSpec, entry_slots
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.mla import MLAAttention
@@ -204,30 +205,34 @@ class SparseMLAAttention(MLAAttention):
             self.relay.slots = slots
         weights = self.mla_weights()
         query = torch.cat((torch.einsum("thn,hnl->thl", q_nope, weights.w_uk), q_pe), dim=-1)
-        out_latent, _ = mla_sparse_attention(query, scope.latent_store, slots, self.scale, self.kv_lora_rank)
+        out_latent, _ = mla_sparse_attention(query, scope.latent_store, slots, self.scale, self.kv_lora_rank,
+                                             scope.kv_quant)
         out = torch.einsum("thl,hvl->thv", out_latent, weights.w_uv)
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_head_dim))
 
 
 class _StepScope:
     """Where one step's context lives for a DSA layer: the bound caches, after this step's entries are
-    written at their slots (the full group's block table maps positions to slots); or, in the profiling
-    pass (no caches: every sequence a prefill from position 0), the step's own entries, position p of the
-    sequence starting at token b being row b + p."""
+    written at their slots (the full group's block table maps positions to slots; an FP8 latent cache
+    quantized, `kv_quant`); or, in the profiling pass (no caches: every sequence a prefill from position 0),
+    the step's own entries, position p of the sequence starting at token b being row b + p."""
 
     def __init__(self, layer: SparseMLAAttention, metadata, block_size: int, entries: torch.Tensor,
                  index_keys: torch.Tensor | None) -> None:
         self.metadata = metadata
+        self.kv_quant = None
         if layer.caches is None:
             assert not any(metadata.num_computed_tokens_cpu), "without caches every sequence starts at 0"
             self.latent_store, self.key_store, self.block_table = entries, index_keys, None
             return
+        self.kv_quant = layer.kv_quant
         group = metadata.groups.get(FULL_GROUP)
         self.block_table, slot_mapping, self.block_size = (
             (group.block_table, group.slot_mapping, group.block_size) if group is not None
             else (metadata.block_table, metadata.slot_mapping, block_size))
         self.latent_store = layer.caches["kv"]
-        self.latent_store.view(-1, entries.shape[-1])[slot_mapping] = entries.to(self.latent_store.dtype)
+        self.latent_store.view(-1, entries.shape[-1])[slot_mapping] = stored_entries(entries, self.latent_store,
+                                                                                     self.kv_quant)
         if index_keys is not None:
             assert "index_k" in layer.caches, "the runner binds every cache of cache_specs()"
             cache = layer.caches["index_k"]

@@ -11,12 +11,17 @@ RoPE: GPT-J style (interleaved pairs) unless the config sets `rope_interleave=Fa
 rotates the same pairs but writes the result de-interleaved (evens, then odds): a permutation applied to
 queries and keys alike, which leaves every q.k unchanged. Yarn rope scaling also scales the softmax by
 mscale(factor, mscale_all_dim)^2.
+
+FP8 cache (`kv_cache_dtype="fp8"`): the latent entries are stored as FP8 with one per-tensor scale per layer
+(engine/kernels/mla.py), the checkpoint's `self_attn.k_scale` where it has one (as vLLM scales MLA caches),
+else 1.0; per-token scales are not offered.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.kernels import ops
@@ -48,8 +53,29 @@ def mla_softmax_scale(hf_config, qk_head_dim: int) -> float:
     return scale
 
 
+class LatentCacheScale(nn.Module):
+    """The per-tensor FP8 scale of one layer's latent cache: `k_scale` float32 [1], 1.0 unless the checkpoint
+    has one. Checkpoints name it `self_attn.k_scale`, which the loader places at `self_attn.attn.k_scale`
+    (engine.loader.quant_plan.checkpoint_param_name): MLAAttention holds this module as `attn`. A checkpoint's
+    `v_scale` finds no parameter and is skipped: the entry is key and value at once, one scale serves both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.k_scale.weight_loader = self._load
+        self.k_scale.check_loaded = lambda param, shards: None  # optional
+        self.from_checkpoint = False
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.numel() != 1:
+            raise ValueError(f"a per-tensor KV-cache scale must be one number, got shape {tuple(loaded.shape)}")
+        param.data.copy_(loaded.float().reshape(1))
+        self.from_checkpoint = True
+
+
 class MLAAttention(KVCacheLayer):
-    supports_fp8_kv_cache = False  # a full-precision latent cache only, for now
+    supports_fp8_kv_cache = True
+    fp8_kv_scale_granularities = ("tensor",)  # one scale per layer (KVCacheQuant("tensor", scale, scale))
     # Capturable where the step goes through mla_attention alone and the active op reads no host-side lengths
     # (the Triton one; the torch reference loops on them). A subclass with its own forward is not, unless it
     # declares so itself.
@@ -89,6 +115,7 @@ class MLAAttention(KVCacheLayer):
         self.rotary_emb = RotaryEmbedding(config, self.qk_rope_head_dim, self.qk_rope_head_dim,
                                           config.max_position_embeddings, is_neox_style=is_neox)
         self.scale = mla_softmax_scale(config, self.qk_head_dim)
+        self.attn = LatentCacheScale()
         self._weights: MLAWeights | None = None
 
     def cache_specs(self) -> dict[str, CacheSpec]:
@@ -96,7 +123,21 @@ class MLAAttention(KVCacheLayer):
         return {"kv": PagedSpec((self.kv_lora_rank + self.qk_rope_head_dim,), kind="mla")}
 
     def kv_scale_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        raise NotImplementedError("MLA layers keep no FP8 cache")
+        raise NotImplementedError("an FP8 latent cache has one per-tensor scale, no per-token scales")
+
+    # The FP8 cache's per-tensor scales as the runner binds them (KVCacheQuant("tensor", k_scale, v_scale)):
+    # one tensor for both.
+    @property
+    def k_scale(self) -> nn.Parameter:
+        return self.attn.k_scale
+
+    @property
+    def v_scale(self) -> nn.Parameter:
+        return self.attn.k_scale
+
+    @property
+    def checkpoint_kv_scales(self) -> bool:
+        return self.attn.from_checkpoint
 
     def mla_weights(self) -> MLAWeights:
         """kv_b_proj as MLA attention reads it, made at the first forward pass (after loading): W_UK and
@@ -138,5 +179,5 @@ class MLAAttention(KVCacheLayer):
             out = q_nope.new_zeros(q_nope.shape[0], self.num_heads * self.v_head_dim)
         else:
             out = mla_attention(q_nope, q_pe, latent, k_pe[:, 0], self.kv_cache, context.attn_metadata,
-                                self.mla_weights(), self.scale, context.block_size)
+                                self.mla_weights(), self.scale, context.block_size, self.kv_quant)
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_head_dim))

@@ -55,6 +55,11 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
                               experts_quant=plan.default_experts if plan else None)
 
 
+def _granularities(layer: KVCacheLayer) -> tuple[str, ...]:
+    """The FP8 KV-scale granularities a cache layer can keep (MHA: both; MLA's latent cache: "tensor")."""
+    return layer.fp8_kv_scale_granularities
+
+
 def format_op_table(backend: kernels.KernelBackend) -> str:
     """The op -> implementation table, one aligned line per op."""
     rows = backend.table()
@@ -118,7 +123,7 @@ class ModelRunner:
         self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
         self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype,
                                  config.quantization)
-        # Every layer with entries in the paged cache (MHA and MLA); the MHA ones alone own FP8 KV scales.
+        # Every layer with entries in the paged cache (MHA and MLA); each FP8 one owns its KV scales.
         self.cache_layers = [m for m in self.model.modules() if isinstance(m, KVCacheLayer)]
         self.attention_layers = [m for m in self.cache_layers if isinstance(m, Attention)]
         no_fp8 = sorted({type(m).__name__ for m in self.cache_layers if not m.supports_fp8_kv_cache})
@@ -126,6 +131,11 @@ class ModelRunner:
             raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for this model: "
                               f"its {', '.join(no_fp8)} layers keep a full-precision cache only; "
                               f"use kv_cache_dtype='auto'")
+        tensor_only = sorted({type(m).__name__ for m in self.cache_layers if "token" not in _granularities(m)})
+        if config.fp8_kv_cache and config.kv_cache_scales == "token" and tensor_only:
+            raise ConfigError(f"kv_cache_scales='token' is not supported for this model: its "
+                              f"{', '.join(tensor_only)} layers keep an FP8 latent cache with one per-tensor "
+                              f"scale per layer; use kv_cache_scales='tensor' or 'auto'")
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequest] = {}
         self.is_driver = get_parallel_state().tp_rank == 0
@@ -154,11 +164,14 @@ class ModelRunner:
     @property
     def kv_scale_granularity(self) -> str | None:
         """None (no FP8 cache), "tensor" or "token" (KVCacheQuant); "auto" takes the checkpoint's per-tensor
-        scales where every attention layer has them, else per-token scales."""
+        scales where every attention layer has them, else per-token scales; per-tensor scales (the
+        checkpoint's or 1.0) where a layer takes no others (MLA's latent caches)."""
         if not self.config.fp8_kv_cache:
             return None
         if self.config.kv_cache_scales != "auto":
             return self.config.kv_cache_scales
+        if any("token" not in _granularities(layer) for layer in self.cache_layers if layer.supports_fp8_kv_cache):
+            return "tensor"
         with_scales = [layer.checkpoint_kv_scales for layer in self.attention_layers]
         use_tensor = with_scales and all(with_scales) and "tensor" in self.attn_backend.kv_scale_granularities
         return "tensor" if use_tensor else "token"

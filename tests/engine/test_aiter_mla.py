@@ -229,7 +229,9 @@ def test_shapes_the_mla_kernels_cannot_take_and_clamped_experts_fall_back_at_sta
         table(mla_heads=16, mla_entry=(32, 16))["mla_attention"]
     assert "fallback: mla_decode_fwd runs at most 128" in table(mla_heads=256, mla_entry=(512, 64))["mla_attention"]
     assert table()["fused_experts"].startswith("aiter.")
-    assert "fallback: aiter's fused_moe has no clamped SwiGLU" in table(clamped_experts=True)["fused_experts"]
+    clamped = table(clamped_experts=True)
+    for op in ("fused_experts", "fused_experts_fp8", "fused_experts_mxfp4"):
+        assert "fallback: aiter's fused_moe has no clamped SwiGLU" in clamped[op], op
 
 
 def test_model_facts_carry_the_mla_shape_and_the_clamp(tmp_path):

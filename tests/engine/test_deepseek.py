@@ -184,9 +184,20 @@ def test_kimi_k2_style_config_loads_as_deepseek_v3_without_remote_code(llms, mod
         resolve_model(str(tmp_path))
 
 
-def test_fp8_kv_cache_is_refused_for_latent_attention(model_dirs):
-    with pytest.raises(ConfigError, match="MLAAttention layers keep a full-precision cache only"):
-        LLM(str(model_dirs["deepseek_v2"]), dtype="float32", kv_cache_dtype="fp8", show_progress=False)
+def test_fp8_kv_cache_is_taken_for_latent_attention(model_dirs):
+    """An FP8 latent cache with one per-tensor scale per layer (tests/engine/test_mla_fp8_cache.py has the rest)."""
+    llm = LLM(str(model_dirs["deepseek_v2"]), dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64,
+              show_progress=False)
+    runner = llm.engine.executor.runner
+    assert runner.kv_scale_granularity == "tensor"
+    assert {layer.kv_cache.dtype for layer in runner.cache_layers} == {torch.float8_e4m3fn}
+    assert len(llm.generate([PROMPTS[1]], GREEDY_32)[0].token_ids) == 32
+
+
+def test_fp8_kv_cache_is_refused_for_deepseek_v4(tmp_path):
+    folder = tiny_models.make_tiny_v4_model(tmp_path / "v4")
+    with pytest.raises(ConfigError, match="DeepseekV4Attention layers keep a full-precision cache only"):
+        LLM(str(folder), dtype="float32", kv_cache_dtype="fp8", show_progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ that ATOM uses for it (../../docs/ROCM.md has the table and the AITER version ta
 `aiter` is imported only inside the functions here (and never by any other backend), so the project
 imports and runs without it. What AITER cannot serve for a model (attention with a head size other than 128,
 sliding windows, KV blocks other than 16, per-tensor FP8 KV scales, MXFP4 on gfx942, weight-only MXFP4, MLA
-outside bf16, ...) is declined here at start-up and runs on the Triton backend (the torch reference where
-Triton cannot run); the kernel table logged at start-up shows what runs.
+outside bf16 or over an FP8 latent cache, ...) is declined here at start-up and runs on the Triton backend
+(the torch reference where Triton cannot run); the kernel table logged at start-up shows what runs.
 """
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def declines(op: str, facts: ModelFacts) -> str | None:
         return None
     if op in ("mla_attention", "mla_sparse_attention") and facts.dtype not in mla.DTYPES:
         return f"mla_decode_fwd's assembly kernels take bf16, the model runs in {facts.dtype}"
-    if op == "fused_experts" and facts.clamped_experts:
+    if op in ("mla_attention", "mla_sparse_attention") and facts.fp8_kv_cache and facts.mla_entry is not None:
+        return mla.FP8_CACHE_REASON
+    if op in ("fused_experts", "fused_experts_fp8", "fused_experts_mxfp4") and facts.clamped_experts:
         return "aiter's fused_moe has no clamped SwiGLU (swiglu_limit)"
     if op == "mla_attention" and facts.mla_heads is not None and facts.mla_entry is not None:
         return mla.unsupported(facts.mla_heads, sum(facts.mla_entry), facts.mla_entry[0], facts.dtype)

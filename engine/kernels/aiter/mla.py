@@ -14,6 +14,10 @@ What 0.1.7's kernels cannot run (checked at start-up in engine/kernels/aiter/__i
 call where the start-up facts do not carry the shape): bf16 only; the assembly is built for DeepSeek's
 entry (L 512 + R 64) and for 16 or 128 query heads: fewer heads are padded with zero queries to the next
 of those; other shapes run the fallback backend's op (Triton where it runs, else the torch reference).
+FP8 latent caches run there too (declined at start-up; a call with `kv_quant` falls back as well): 0.1.7's
+mla_decode_fwd reads an FP8 cache beside bf16 queries only in its persistent mode (the a16w8 `_ps` kernel,
+16 heads, with get_mla_metadata_v1's work lists), and otherwise only with FP8 queries and a query scale;
+the non-persistent bf16 mode used here has no FP8-cache kernel (asm_mla.cu leaves it unset).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import logging
 import torch
 
 from engine.kernels.aiter.ops import kernel
+from engine.kernels.attention import KVCacheQuant
 from engine.kernels.mla import MLAWeights
 from engine.kv_cache_spec import entry_slots
 
@@ -31,7 +36,9 @@ logger = logging.getLogger(__name__)
 
 LATENT_DIM, ROPE_DIM = 512, 64  # the assembly kernels' entry (DeepSeek-V2/V3, Kimi-K2, V3.2)
 HEAD_COUNTS = (16, 128)         # mla_decode_fwd's non-persistent kernels (get_meta_param asserts it)
-DTYPES = (torch.bfloat16,)      # bf16 queries and KV (the fp8 kernels need FP8 caches with scales)
+DTYPES = (torch.bfloat16,)      # bf16 queries and KV (the fp8 kernels need FP8 queries with scales)
+FP8_CACHE_REASON = ("amd-aiter 0.1.7's mla_decode_fwd reads FP8 latent caches only in its persistent mode or "
+                    "with FP8 queries")
 
 
 def kernel_heads(num_heads: int) -> int | None:
@@ -106,14 +113,15 @@ def ragged(counts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> tu
         "aiter.flash_attn_varlen_func (prefill, expanded)")
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                   kv_cache: torch.Tensor | None, metadata, weights: MLAWeights, scale: float,
-                  block_size: int) -> torch.Tensor:
+                  block_size: int, kv_quant: KVCacheQuant | None = None) -> torch.Tensor:
     import aiter
     num_tokens, num_heads, _ = q_nope.shape
     entry_dim = latent.shape[-1] + k_pe.shape[-1]
-    reason = unsupported(num_heads, entry_dim, latent.shape[-1], q_nope.dtype)
+    reason = FP8_CACHE_REASON if kv_quant is not None else unsupported(num_heads, entry_dim, latent.shape[-1],
+                                                                         q_nope.dtype)
     if reason is not None:
         return fallback("mla_attention", q_nope.device.type, reason)(q_nope, q_pe, latent, k_pe, kv_cache, metadata,
-                                                                      weights, scale, block_size)
+                                                                      weights, scale, block_size, kv_quant=kv_quant)
     if kv_cache is not None:
         aiter.concat_and_cache_mla(latent, k_pe, kv_cache, metadata.slot_mapping, "auto", _unit_scale(latent.device))
     out = q_nope.new_empty(num_tokens, num_heads, weights.v_head_dim)
@@ -168,13 +176,14 @@ def _prefill(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights: MLAWeights
 
 @kernel("aiter.mla.mla_decode_fwd (page 1, each query's selected entries) + torch log-sum-exp")
 def mla_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                         v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         v_dim: int, kv_quant: KVCacheQuant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, dim = q.shape
-    reason = unsupported(num_heads, dim, v_dim, q.dtype)
+    reason = FP8_CACHE_REASON if kv_quant is not None else unsupported(num_heads, dim, v_dim, q.dtype)
     if reason is None and kv_cache.dtype != q.dtype:
         reason = f"the cache is {kv_cache.dtype}, the queries {q.dtype}"
     if reason is not None:
-        return fallback("mla_sparse_attention", q.device.type, reason)(q, kv_cache, slots, scale, v_dim)
+        return fallback("mla_sparse_attention", q.device.type, reason)(q, kv_cache, slots, scale, v_dim,
+                                                                        kv_quant=kv_quant)
     valid = slots >= 0
     counts = valid.sum(dim=1)
     lse = selected_lse(q, kv_cache, slots, valid, scale)

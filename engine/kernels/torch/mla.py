@@ -1,30 +1,35 @@
 """Reference multi-head latent attention (engine/kernels/mla.py states the contract): prefill expands the
 cached latents through kv_b_proj, one sequence at a time, as transformers does; decode is batched in the
 absorbed form (q_nope @ W_UK into latent space, MQA over the latent entries, then @ W_UV), which rounds
-differently from the expanded form (equal in exact arithmetic)."""
+differently from the expanded form (equal in exact arithmetic). An FP8 cache (`kv_quant`, per-tensor) is
+written through `stored_entries` and every cached entry read through `read_entries` (engine/kernels/mla.py):
+the rest of the computation is the one a cache of dequantized entries goes through."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.mla import MLAWeights
+from engine.kernels.attention import KVCacheQuant
+from engine.kernels.mla import MLAWeights, read_entries, stored_entries
 from engine.kernels.torch.attention import gather_blocks
 
 
-def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
-    kv_cache.view(-1, kv_cache.shape[-1])[slots] = torch.cat((latent, k_pe), dim=-1).to(kv_cache.dtype)
+def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor,
+                       kv_quant: KVCacheQuant | None = None) -> None:
+    kv_cache.view(-1, kv_cache.shape[-1])[slots] = stored_entries(torch.cat((latent, k_pe), dim=-1), kv_cache,
+                                                                  kv_quant)
 
 
 def mla_attention(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights: MLAWeights, scale: float,
-                  block_size: int) -> torch.Tensor:
+                  block_size: int, kv_quant: KVCacheQuant | None = None) -> torch.Tensor:
     if kv_cache is not None:
-        write_latent_cache(kv_cache, latent, k_pe, metadata.slot_mapping)
+        write_latent_cache(kv_cache, latent, k_pe, metadata.slot_mapping, kv_quant)
     num_tokens, num_heads, _ = q_nope.shape
     out = q_nope.new_empty(num_tokens, num_heads, weights.v_head_dim)
     num_decodes = metadata.num_decodes
     if num_decodes:
         out[:num_decodes] = decode_absorbed(q_nope[:num_decodes], q_pe[:num_decodes], kv_cache, metadata,
-                                            weights, scale, block_size)
+                                            weights, scale, block_size, kv_quant)
     starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     kv_lora_rank = latent.shape[-1]
     for seq in range(num_decodes, metadata.num_seqs):
@@ -34,7 +39,8 @@ def mla_attention(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights: MLAWe
             context_latent, context_pe = latent[begin:end], k_pe[begin:end]
         else:
             block_ids = metadata.block_table[seq, :-(-seq_len // block_size)]
-            entries = gather_blocks(kv_cache, block_ids).flatten(0, 1)[:seq_len].to(q_nope.dtype)
+            entries = read_entries(gather_blocks(kv_cache, block_ids).flatten(0, 1)[:seq_len], kv_quant,
+                                   q_nope.dtype)
             context_latent, context_pe = entries.split([kv_lora_rank, entries.shape[-1] - kv_lora_rank], dim=-1)
         out[begin:end] = prefill_expanded(q_nope[begin:end], q_pe[begin:end], context_latent, context_pe,
                                           weights, scale)
@@ -60,7 +66,7 @@ def prefill_expanded(q_nope, q_pe, context_latent, context_pe, weights: MLAWeigh
 
 
 def decode_absorbed(q_nope, q_pe, kv_cache, metadata, weights: MLAWeights, scale: float,
-                    block_size: int) -> torch.Tensor:
+                    block_size: int, kv_quant: KVCacheQuant | None = None) -> torch.Tensor:
     """One query token per sequence, batched (contexts padded to the longest and masked): every head's query
     moved into latent space attends to the shared entries as one KV head (MQA; keys are the whole entry,
     values its latent part), and the latent output goes back through W_UV."""
@@ -71,7 +77,8 @@ def decode_absorbed(q_nope, q_pe, kv_cache, metadata, weights: MLAWeights, scale
     seq_lens_cpu = metadata.seq_lens_cpu[:num_seqs]
     max_len = max(seq_lens_cpu)
     block_ids = metadata.block_table[:num_seqs, :-(-max_len // block_size)]
-    entries = gather_blocks(kv_cache, block_ids).flatten(1, 2)[:, :max_len].to(q_nope.dtype)[:, None]
+    entries = read_entries(gather_blocks(kv_cache, block_ids).flatten(1, 2)[:, :max_len], kv_quant,
+                           q_nope.dtype)[:, None]
     mask = None
     if min(seq_lens_cpu) != max_len:
         positions = torch.arange(max_len, device=query.device)
@@ -82,7 +89,7 @@ def decode_absorbed(q_nope, q_pe, kv_cache, metadata, weights: MLAWeights, scale
 
 
 def mla_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                         v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         v_dim: int, kv_quant: KVCacheQuant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row attends, as one KV head shared by its H heads, to the cache entries at its `slots`
     (keys: the whole entry; values: its first `v_dim` dims). Returns the output and the log-sum-exp of the
     scaled scores; a row with no valid slot gives zeros and -inf. Rows go in chunks so that the gathered
@@ -97,7 +104,8 @@ def mla_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         end = min(begin + chunk, num_tokens)
         rows = slots[begin:end].long()
         valid = rows >= 0
-        entries = entries_all[rows.clamp(min=0)].float()  # [t, K, D]
+        entries = entries_all[rows.clamp(min=0)]  # [t, K, D]
+        entries = (entries if kv_quant is None else read_entries(entries, kv_quant, q.dtype)).float()
         scores = torch.einsum("thd,tkd->thk", q[begin:end].float(), entries) * scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [t, H]

@@ -13,6 +13,11 @@ latent attention over listed entries.
   flash attention with qk head dim qk_nope + rope (the rope key shared by the heads, read once per token)
   and v head dim v_head_dim, bottom-right aligned.
 - Sparse: each query row over its own listed entries (-1 skipped), as the decode's MQA tile loop.
+- FP8 caches (`kv_quant`, one per-tensor scale: engine/kernels/mla.py): the write quantizes as
+  `stored_entries` does (a correctly rounded division, clamped, rounded to the cache's FP8 dtype); the
+  decode and sparse kernels widen FP8 tiles exactly to the queries' dtype, fold the scale into the softmax
+  scale (keys) and multiply each split's normalised output by it (values); the prefill dequantizes the
+  gathered context (`read_entries`) before expanding it. The scale is read on the device (graph-safe).
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.mla import MLAWeights
+from engine.kernels.attention import KVCacheQuant, fp8_max
+from engine.kernels.mla import MLAWeights, latent_scale, read_entries
 from engine.kernels.triton import workspace
+from engine.kernels.triton.activation_quant import round_to_e4m3
 from engine.kernels.triton.common import dot, interpreting
 
 _LOG2E = 1.4426950408889634
@@ -42,9 +49,22 @@ def _pad(n: int) -> int:
 # ---- kernels ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _latent_write_kernel(latent_ptr, pe_ptr, cache_ptr, slot_ptr, s_latent, s_pe, s_block, s_entry,
+def _stored(x, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_E4M3: tl.constexpr):
+    """Values as the cache stores them (before the cast to its dtype): as they are, or x / scale (correctly
+    rounded, as torch divides) clamped to the FP8 range; ROUND_E4M3 (the interpreter, whose narrowing
+    rounds otherwise) rounds onto the e4m3 grid first, so that the cast is exact."""
+    if QUANT:
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -FP8_MAX), FP8_MAX)
+        if ROUND_E4M3:
+            x = round_to_e4m3(x)
+    return x
+
+
+@triton.jit
+def _latent_write_kernel(latent_ptr, pe_ptr, cache_ptr, slot_ptr, scale_ptr, s_latent, s_pe, s_block, s_entry,
                          PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                         L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+                         L_PAD: tl.constexpr, R_PAD: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+                         ROUND_E4M3: tl.constexpr):
     """One token's entry [latent | k_pe] at its slot (a negative slot: a padding token, nothing stored)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -52,9 +72,11 @@ def _latent_write_kernel(latent_ptr, pe_ptr, cache_ptr, slot_ptr, s_latent, s_pe
         row = cache_ptr + (slot // PAGE_SIZE) * s_block + (slot % PAGE_SIZE) * s_entry
         dl = tl.arange(0, L_PAD)
         x = tl.load(latent_ptr + token * s_latent + dl, mask=dl < L)
+        x = _stored(x, scale_ptr, QUANT, FP8_MAX, ROUND_E4M3)
         tl.store(row + dl, x.to(cache_ptr.dtype.element_ty), mask=dl < L)
         dr = tl.arange(0, R_PAD)
         y = tl.load(pe_ptr + token * s_pe + dr, mask=dr < R)
+        y = _stored(y, scale_ptr, QUANT, FP8_MAX, ROUND_E4M3)
         tl.store(row + L + dr, y.to(cache_ptr.dtype.element_ty), mask=dr < R)
 
 
@@ -63,7 +85,8 @@ def _latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2,
                  L: tl.constexpr, R: tl.constexpr, UPCAST: tl.constexpr):
     """One tile of entries (pointers [BLOCK_N, 1] to their first element, `valid` [BLOCK_N]) into the online
     softmax of a block of heads: scores q_lat k_lat + q_pe k_pe, values k_lat. m and the scores are in log2
-    units; a row whose scores are all masked keeps m = -inf, l = 0 and acc = 0."""
+    units; a row whose scores are all masked keeps m = -inf, l = 0 and acc = 0. FP8 entries widen exactly to
+    the queries' dtype (their scale is the caller's: in scale_log2, and on the finished output)."""
     k_lat = tl.load(entry_ptrs + dl[None, :], mask=valid[:, None] & (dl[None, :] < L), other=0.0).to(q_lat.dtype)
     k_pe = tl.load(entry_ptrs + L + dr[None, :], mask=valid[:, None] & (dr[None, :] < R), other=0.0).to(q_lat.dtype)
     s = dot(q_lat, tl.trans(k_lat), UPCAST) + dot(q_pe, tl.trans(k_pe), UPCAST)
@@ -78,14 +101,15 @@ def _latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2,
 
 
 @triton.jit
-def _decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
+def _decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, kv_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
                    block_table_ptr, num_heads, min_tiles, num_splits, sql_b, sql_h, sqp_b, sqp_h, s_block, s_entry,
                    so_b, so_h, stride_bt, scale_log2,
                    L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   SINGLE_SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                   SINGLE_SPLIT: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr):
     """Program (sequence, head block, split): its split of the context, each sequence spreading its own
-    context over the splits (at least `min_tiles` tiles each; splits past its end return at once)."""
+    context over the splits (at least `min_tiles` tiles each; splits past its end return at once). QUANT:
+    an FP8 cache whose scale (at kv_scale_ptr) scales the scores and the split's output."""
     seq = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -102,6 +126,8 @@ def _decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, part_out_ptr, part_l
                         mask=head_mask[:, None] & (dl[None, :] < L), other=0.0)
         q_pe = tl.load(q_pe_ptr + seq * sqp_b + heads[:, None] * sqp_h + dr[None, :],
                        mask=head_mask[:, None] & (dr[None, :] < R), other=0.0).to(q_lat.dtype)
+        if QUANT:
+            scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, L_PAD], tl.float32)
@@ -112,6 +138,8 @@ def _decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, part_out_ptr, part_l
             entry_ptrs = cache_ptr + (pages * s_block + (tokens % PAGE_SIZE) * s_entry)[:, None]
             acc, m, l = _latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2, L, R, UPCAST)
         out = acc / l[:, None]
+        if QUANT:
+            out = out * tl.load(kv_scale_ptr)
         mask = head_mask[:, None] & (dl[None, :] < L)
         if SINGLE_SPLIT:
             tl.store(out_ptr + seq * so_b + heads[:, None] * so_h + dl[None, :], out.to(out_ptr.dtype.element_ty),
@@ -208,12 +236,12 @@ def _prefill_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, k_pe_ptr, out_ptr, query_start
 
 
 @triton.jit
-def _sparse_kernel(q_ptr, cache_ptr, slots_ptr, out_ptr, lse_ptr, num_heads, top_k, sq_t, sq_h, ss_t, s_entry,
-                   so_t, so_h, slse_t, scale_log2,
+def _sparse_kernel(q_ptr, cache_ptr, kv_scale_ptr, slots_ptr, out_ptr, lse_ptr, num_heads, top_k, sq_t, sq_h, ss_t,
+                   s_entry, so_t, so_h, slse_t, scale_log2,
                    VD: tl.constexpr, R: tl.constexpr, VD_PAD: tl.constexpr, R_PAD: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr):
     """Program (query row, head block): the row's listed entries in tiles; keys are whole entries (VD value
-    dims, then R more), values their first VD dims."""
+    dims, then R more), values their first VD dims. QUANT: an FP8 cache, as in _decode_kernel."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
@@ -223,6 +251,8 @@ def _sparse_kernel(q_ptr, cache_ptr, slots_ptr, out_ptr, lse_ptr, num_heads, top
     q_lat = tl.load(q_rows + dl[None, :], mask=head_mask[:, None] & (dl[None, :] < VD), other=0.0)
     q_pe = tl.load(q_rows + VD + dr[None, :], mask=head_mask[:, None] & (dr[None, :] < R),
                    other=0.0).to(q_lat.dtype)
+    if QUANT:
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, VD_PAD], tl.float32)
@@ -233,6 +263,8 @@ def _sparse_kernel(q_ptr, cache_ptr, slots_ptr, out_ptr, lse_ptr, num_heads, top
         entry_ptrs = cache_ptr + (tl.where(valid, slots, 0) * s_entry)[:, None]
         acc, m, l = _latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2, VD, R, UPCAST)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if QUANT:
+        out = out * tl.load(kv_scale_ptr)
     tl.store(out_ptr + token * so_t + heads[:, None] * so_h + dl[None, :], out.to(out_ptr.dtype.element_ty),
              mask=head_mask[:, None] & (dl[None, :] < VD))
     lse = tl.where(l > 0, (m + tl.math.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -246,18 +278,35 @@ def _upcast(x: torch.Tensor) -> bool:
     return x.dtype != torch.float32 and interpreting()
 
 
-def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
-    """kv_cache [num_blocks, block_size, L + R] at `slots` (one per token; negative: nothing) <- [latent | k_pe]."""
+def _quant_args(kv_quant: KVCacheQuant | None, kv_cache: torch.Tensor) -> tuple[bool, torch.Tensor]:
+    """(QUANT, the scale [1]) of a launch on `kv_cache`; without quantization the cache stands in for the
+    scale pointer, which is then never read."""
+    if kv_quant is None:
+        return False, kv_cache
+    assert kv_cache.element_size() == 1 and kv_cache.dtype.is_floating_point, \
+        f"an FP8 latent cache, not {kv_cache.dtype}"
+    scale = latent_scale(kv_quant)
+    assert scale.dtype == torch.float32 and scale.device == kv_cache.device, (scale.dtype, scale.device)
+    return True, scale
+
+
+def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor,
+                       kv_quant: KVCacheQuant | None = None) -> None:
+    """kv_cache [num_blocks, block_size, L + R] at `slots` (one per token; negative: nothing) <- [latent | k_pe],
+    quantized with `kv_quant`'s per-tensor scale into an FP8 cache (as engine.kernels.mla.stored_entries)."""
     num_tokens, kv_lora_rank = latent.shape
     rope_dim = k_pe.shape[-1]
     assert kv_cache.shape[-1] == kv_lora_rank + rope_dim and kv_cache.stride(-1) == 1, kv_cache.shape
     assert latent.stride(-1) == 1 and k_pe.stride(-1) == 1, "the feature dimension must be contiguous"
     if num_tokens == 0:
         return
+    quant, kv_scale = _quant_args(kv_quant, kv_cache)
     _latent_write_kernel[(num_tokens,)](
-        latent, k_pe, kv_cache, slots, latent.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        PAGE_SIZE=kv_cache.shape[1], L=kv_lora_rank, R=rope_dim, L_PAD=triton.next_power_of_2(kv_lora_rank),
-        R_PAD=triton.next_power_of_2(rope_dim))
+        latent, k_pe, kv_cache, slots, kv_scale, latent.stride(0), k_pe.stride(0), kv_cache.stride(0),
+        kv_cache.stride(1), PAGE_SIZE=kv_cache.shape[1], L=kv_lora_rank, R=rope_dim,
+        L_PAD=triton.next_power_of_2(kv_lora_rank), R_PAD=triton.next_power_of_2(rope_dim), QUANT=quant,
+        FP8_MAX=fp8_max(kv_cache.dtype) if quant else 0.0,
+        ROUND_E4M3=quant and interpreting() and kv_cache.dtype == torch.float8_e4m3fn)
 
 
 def _decode_tiles(num_heads: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -284,11 +333,11 @@ def decode_splits(num_decodes: int, head_blocks: int, max_seq_len: int, block_n:
 
 def decode_latent(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                   block_table: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor,
-                  tiles: tuple[int, int, int, int] | None = None) -> None:
+                  tiles: tuple[int, int, int, int] | None = None, kv_quant: KVCacheQuant | None = None) -> None:
     """out [B, H, L] (any strides, last dim contiguous) <- MQA of q_latent [B, H, L] and q_pe [B, H, R] over each
     sequence's first seq_lens[b] cache entries, read through block_table [B, max_blocks] (device tensors;
     `max_seq_len` only sizes the split count and may exceed every real length). `tiles`: (BLOCK_H, BLOCK_N,
-    num_warps, num_stages) in place of the default (the benchmark's sweep)."""
+    num_warps, num_stages) in place of the default (the benchmark's sweep). `kv_quant`: an FP8 cache."""
     num_seqs, num_heads, kv_lora_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
     assert kv_cache.shape[-1] == kv_lora_rank + rope_dim and kv_cache.stride(-1) == 1, kv_cache.shape
@@ -308,12 +357,14 @@ def decode_latent(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
                                device=q_latent.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q_latent.device)
     l_pad, r_pad = _pad(kv_lora_rank), _pad(rope_dim)
+    quant, kv_scale = _quant_args(kv_quant, kv_cache)
     _decode_kernel[(num_seqs, head_blocks, num_splits)](
-        q_latent, q_pe, kv_cache, out, part_out, part_lse, seq_lens, block_table, num_heads, min_tiles, num_splits,
+        q_latent, q_pe, kv_cache, kv_scale, out, part_out, part_lse, seq_lens, block_table, num_heads, min_tiles,
+        num_splits,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), out.stride(0), out.stride(1), block_table.stride(0), scale * _LOG2E,
         L=kv_lora_rank, R=rope_dim, L_PAD=l_pad, R_PAD=r_pad, BLOCK_H=block_h, BLOCK_N=block_n,
-        PAGE_SIZE=kv_cache.shape[1], SINGLE_SPLIT=single, UPCAST=_upcast(q_latent), num_warps=num_warps,
+        PAGE_SIZE=kv_cache.shape[1], SINGLE_SPLIT=single, QUANT=quant, UPCAST=_upcast(q_latent), num_warps=num_warps,
         num_stages=num_stages)
     if not single:
         splits_pad = triton.next_power_of_2(num_splits)
@@ -326,7 +377,8 @@ def decode_latent(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
 
 def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, max_seq_len: int, weights: MLAWeights, scale: float,
-                    tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                    tiles: tuple[int, int, int, int] | None = None,
+                    kv_quant: KVCacheQuant | None = None) -> torch.Tensor:
     """One query token per sequence: q_nope [B, H, N] @ W_UK into latent space, MQA over the latent cache
     (decode_latent), @ W_UV -> [B, H, V]. Graph-safe: no host reads of device tensors."""
     num_seqs, num_heads, _ = q_nope.shape
@@ -334,7 +386,7 @@ def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     q_latent = torch.bmm(q_nope.transpose(0, 1), weights.w_uk)  # [H, B, L]
     out_latent = q_nope.new_empty(num_heads, num_seqs, kv_lora_rank)
     decode_latent(q_latent.transpose(0, 1), q_pe, kv_cache, seq_lens, block_table, max_seq_len, scale,
-                  out_latent.transpose(0, 1), tiles)
+                  out_latent.transpose(0, 1), tiles, kv_quant)
     return torch.bmm(out_latent, weights.w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, V]
 
 
@@ -348,11 +400,27 @@ def _context_slots(metadata, first: int, seq_lens: list[int], block_size: int, d
     return pages * block_size + positions % block_size
 
 
+def _own_entries_for_fresh_prefills(entries: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, metadata,
+                                    first: int, query_lens: list[int], seq_lens: list[int]) -> None:
+    """In the gathered contexts `entries` (the prefills' contexts one after another), replace those of prefills
+    with no cached prefix by their own entries as computed (the cache holds them rounded to FP8)."""
+    context_begin = 0
+    for index, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        if query_len == seq_len:
+            begin = metadata.query_start_loc_cpu[first + index]
+            rows = slice(context_begin, context_begin + seq_len)
+            kv_lora_rank = latent.shape[-1]
+            entries[rows, :kv_lora_rank] = latent[begin:begin + seq_len]
+            entries[rows, kv_lora_rank:] = k_pe[begin:begin + seq_len]
+        context_begin += seq_len
+
+
 def prefill_expanded(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights: MLAWeights, scale: float,
-                     block_size: int, out: torch.Tensor) -> None:
+                     block_size: int, out: torch.Tensor, kv_quant: KVCacheQuant | None = None) -> None:
     """out rows of the metadata's prefills <- causal attention over their contexts expanded by kv_b_proj: the
     chunk's own entries where no prefill has a cached prefix, else every context entry gathered from the
-    cache (written already)."""
+    cache (written already; dequantized where it is FP8, except for the prefills with no cached prefix, which
+    attend over their own entries as computed, as the reference does)."""
     first = metadata.num_decodes
     num_prefills = metadata.num_seqs - first
     token_begin = metadata.query_start_loc_cpu[first]
@@ -365,7 +433,9 @@ def prefill_expanded(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights: ML
         context_latent, context_pe = latent[token_begin:], k_pe[token_begin:]
     else:
         slots = _context_slots(metadata, first, seq_lens, block_size, q_nope.device)
-        entries = kv_cache.view(-1, kv_cache.shape[-1])[slots].to(q_nope.dtype)
+        entries = read_entries(kv_cache.view(-1, kv_cache.shape[-1])[slots], kv_quant, q_nope.dtype)
+        if kv_quant is not None:
+            _own_entries_for_fresh_prefills(entries, latent, k_pe, metadata, first, query_lens, seq_lens)
         context_latent, context_pe = entries[:, :kv_lora_rank], entries[:, kv_lora_rank:]
     kv = weights.kv_b(context_latent).view(-1, num_heads, nope + v_dim)
     kv_starts = [0]
@@ -391,22 +461,23 @@ def _decode_max_len(metadata, num_decodes: int) -> int:
 
 
 def mla_attention(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights: MLAWeights, scale: float,
-                  block_size: int) -> torch.Tensor:
+                  block_size: int, kv_quant: KVCacheQuant | None = None) -> torch.Tensor:
     """The `mla_attention` op (engine/kernels/mla.py): cache write, absorbed decode of the leading one-token
     sequences, expanded prefill of the rest. A decode-only step reads no device tensor on the host."""
     num_tokens, num_heads, _ = q_nope.shape
     if kv_cache is not None:
         assert kv_cache.shape[1] == block_size, (kv_cache.shape, block_size)
-        write_latent_cache(kv_cache, latent, k_pe, metadata.slot_mapping)
+        write_latent_cache(kv_cache, latent, k_pe, metadata.slot_mapping, kv_quant)
     out = q_nope.new_empty(num_tokens, num_heads, weights.v_head_dim)
     num_decodes = metadata.num_decodes
     if num_decodes:
         assert kv_cache is not None, "decodes need a latent cache"
         out[:num_decodes] = decode_absorbed(
             q_nope[:num_decodes], q_pe[:num_decodes], kv_cache, metadata.seq_lens[:num_decodes],
-            metadata.block_table[:num_decodes], _decode_max_len(metadata, num_decodes), weights, scale)
+            metadata.block_table[:num_decodes], _decode_max_len(metadata, num_decodes), weights, scale,
+            kv_quant=kv_quant)
     if metadata.num_seqs > num_decodes:
-        prefill_expanded(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights, scale, block_size, out)
+        prefill_expanded(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights, scale, block_size, out, kv_quant)
     return out
 
 
@@ -414,9 +485,10 @@ mla_attention.cuda_graph_safe = True  # decode-only steps: device-side lengths a
 
 
 def mla_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                         v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         v_dim: int, kv_quant: KVCacheQuant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The `mla_sparse_attention` op (engine/kernels/mla.py): q [T, H, D] over the entries at slots [T, K]
-    (-1: none) of kv_cache viewed as [-1, D] -> (out [T, H, v_dim] in q's dtype, lse [T, H] fp32)."""
+    (-1: none) of kv_cache viewed as [-1, D] (FP8 with `kv_quant`) -> (out [T, H, v_dim] in q's dtype,
+    lse [T, H] fp32)."""
     num_tokens, num_heads, dim = q.shape
     if kv_cache.shape[-1] != dim:
         raise ValueError(f"queries have {dim} features but cache entries {kv_cache.shape[-1]}")
@@ -433,9 +505,10 @@ def mla_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         return out, lse
     block_h, block_n, num_warps = _decode_tiles(num_heads, q.dtype)
     rope_dim = dim - v_dim
+    quant, kv_scale = _quant_args(kv_quant, kv_cache)
     _sparse_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        q, entries, slots, out, lse, num_heads, slots.shape[1], q.stride(0), q.stride(1), slots.stride(0),
+        q, entries, kv_scale, slots, out, lse, num_heads, slots.shape[1], q.stride(0), q.stride(1), slots.stride(0),
         entries.stride(0), out.stride(0), out.stride(1), lse.stride(0), scale * _LOG2E,
         VD=v_dim, R=rope_dim, VD_PAD=_pad(v_dim), R_PAD=_pad(max(rope_dim, 1)), BLOCK_H=block_h, BLOCK_N=block_n,
-        UPCAST=_upcast(q), num_warps=num_warps, num_stages=2)
+        QUANT=quant, UPCAST=_upcast(q), num_warps=num_warps, num_stages=2)
     return out, lse

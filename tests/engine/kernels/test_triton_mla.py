@@ -1,7 +1,7 @@
 """The Triton MLA kernels (engine/kernels/triton/mla.py) against the torch reference: the latent-cache write,
 the absorbed decode (ragged contexts, shuffled block tables, split and unsplit, metadata sized for a CUDA
-graph), the expanded prefill with and without a cached prefix, mixed batches, the profiling pass, and sparse
-attention with its log-sum-exp.
+graph), the expanded prefill with and without a cached prefix, mixed batches, the profiling pass, sparse
+attention with its log-sum-exp, and all of them over an FP8 latent cache with a per-tensor scale.
 
 On a CUDA GPU the kernels run compiled (tiny and DeepSeek-V2-Lite shapes); elsewhere under TRITON_INTERPRET=1
 at tiny shapes: MLA as tests/tiny_models.py's deepseek configs have it (L=32, R=8, N=16, V=24, 6 heads)."""
@@ -14,7 +14,7 @@ import torch
 
 from triton_device import DEVICE, ON_GPU  # noqa: E402  (skips the module without Triton)
 
-from engine.kernels.attention import CommonAttentionMetadata  # noqa: E402
+from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant, quantize_to_fp8  # noqa: E402
 from engine.kernels.mla import MLAWeights  # noqa: E402
 from engine.kernels.torch import mla as reference  # noqa: E402
 from engine.kernels.triton import mla  # noqa: E402
@@ -226,6 +226,54 @@ def test_sparse_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="slots"):
         mla.mla_sparse_attention(torch.zeros(3, 2, 40, device=DEVICE), cache, torch.zeros(2, 4, dtype=torch.int64,
                                                                                             device=DEVICE), 1.0, 32)
+
+
+# ---- FP8 latent cache ---------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn  # the Triton backend's FP8 KV dtype
+
+
+def fp8_quant(scale: float) -> KVCacheQuant:
+    """A per-tensor FP8 latent-cache scale (the one tensor for keys and values, as the runner binds it)."""
+    tensor = torch.tensor([scale], dtype=torch.float32, device=DEVICE)
+    return KVCacheQuant("tensor", tensor, tensor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_cache_mixed_batch_writes_the_reference_bytes_and_matches_it(dtype, monkeypatch):
+    """Split decodes, a prefill over a cached prefix and a fresh one over an FP8 cache (scale 0.05, so that
+    the scale shows): the write stores the reference's FP8 bytes, and the outputs match the reference's."""
+    monkeypatch.setattr(mla, "MIN_SPLIT_TOKENS", 16)
+    inputs, cache, metadata = make_batch(TINY, dtype, [1, 1, 6, 3], [37, 2, 6, 9], 2)
+    weights = make_weights(TINY, dtype)
+    quant = fp8_quant(0.05)
+    cache = quantize_to_fp8(cache, quant.k_scale, FP8)
+    cache_ref = cache.clone()
+    out = mla.mla_attention(*inputs, cache, metadata, weights, 0.3, BLOCK_SIZE, kv_quant=quant)
+    expected = reference.mla_attention(*inputs, cache_ref, metadata, weights, 0.3, BLOCK_SIZE, kv_quant=quant)
+    assert cache.dtype == FP8 and torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
+    assert_close_to_scale(out, expected, dtype)
+    unscaled = reference.mla_attention(*inputs, cache_ref.clone(), metadata, weights, 0.3, BLOCK_SIZE,
+                                       kv_quant=fp8_quant(1.0))
+    assert (out[:2] - unscaled[:2]).abs().max() > 0.1 * unscaled[:2].abs().max()  # decodes read the scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_cache_sparse_matches_reference(dtype):
+    heads, dim, v_dim, top_k = 6, 40, 32, 21
+    quant = fp8_quant(0.05)
+    cache = quantize_to_fp8(torch.randn(12, BLOCK_SIZE, dim).to(DEVICE), quant.k_scale, FP8)
+    q = torch.randn(4, heads, dim).to(DEVICE, dtype)
+    slots = torch.stack([torch.randperm(12 * BLOCK_SIZE)[:top_k] for _ in range(4)])
+    slots[1, 9:] = -1
+    slots[2] = -1
+    slots = slots.to(DEVICE)
+    out, lse = mla.mla_sparse_attention(q, cache, slots, 0.2, v_dim, kv_quant=quant)
+    expected, expected_lse = reference.mla_sparse_attention(q, cache, slots, 0.2, v_dim, kv_quant=quant)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == float("-inf")).all())
+    rows = [0, 1, 3]
+    assert_close_to_scale(out[rows], expected[rows], dtype)
+    torch.testing.assert_close(lse[rows], expected_lse[rows], rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 # ---- the layer's capture flag -------------------------------------------------------------------------
