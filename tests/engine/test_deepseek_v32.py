@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tiny_models
+from tiny_models import (deepseek_v32_config, deepseek_v32_yarn_config, glm_moe_dsa_config,  # noqa: F401
+                         make_dsa_model)
 from engine import LLM, SamplingParams
 from engine.forward_context import forward_context
 from engine.kernels.attention import CommonAttentionMetadata
@@ -26,7 +28,7 @@ from engine.loader import build_model, resolve_model
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.parallel import state as parallel_state
 
-INDEX_TOPK = 8
+INDEX_TOPK = tiny_models.DSA_INDEX_TOPK
 PROMPTS = [list(range(3, 60)), list(range(10, 40)), [100] * 9 + [200] * 12, [5, 6, 7]]
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # float32 logits: the absorbed sparse path (q_nope @ W_UK over the latent) against transformers' expanded
@@ -34,59 +36,8 @@ GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 LOGIT_TOLERANCE = 1e-4
 
 
-def deepseek_v32_config() -> dict:
-    """A tiny DeepSeek-V3.2: V3's MLA (q-LoRA) and routing (sigmoid + bias, 2 of 4 groups, a shared
-    expert, a dense first layer), an indexer of 16 heads of 16 dims (8 rotated). 16 index heads make an
-    exactly-zero score (every head's ReLU at zero), hence a tie, rare."""
-    return dict(model_type="deepseek_v32", hidden_size=96, intermediate_size=160, num_hidden_layers=3,
-                num_attention_heads=6, num_key_value_heads=6, kv_lora_rank=32, q_lora_rank=48,
-                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
-                moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
-                norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=INDEX_TOPK, index_head_dim=16,
-                index_n_heads=16, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.2,
-                tie_word_embeddings=False)
-
-
-def glm_moe_dsa_config() -> dict:
-    """A tiny GLM-5: DeepSeek-V3.2's layers with the indexer's RoPE in GPT-J pairs, one expert group, two
-    "shared" layers that reuse the selection of the full layer before them, and MoE layers placed by
-    mlp_layer_types (not first_k_dense_replace)."""
-    return {**deepseek_v32_config(), "model_type": "glm_moe_dsa", "num_hidden_layers": 4, "n_group": 1,
-            "topk_group": 1, "indexer_types": ["full", "shared", "shared", "full"],
-            "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}
-
-
-def deepseek_v32_yarn_config() -> dict:
-    """DeepSeek-V3.2 with DeepSeek's yarn (mscale != mscale_all_dim): the indexer rotates by the same scaled
-    cos/sin table as the main attention, whose softmax scale also changes."""
-    return {**deepseek_v32_config(), "rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}}
-
-
 CONFIGS = {"deepseek_v32": deepseek_v32_config, "glm_moe_dsa": glm_moe_dsa_config,
            "deepseek_v32_yarn": deepseek_v32_yarn_config}
-
-
-def make_dsa_model(folder: Path, settings: dict, seed: int = 0) -> Path:
-    """Save a random model of `settings` (one of the configs above, model_type included) with the tiny
-    tokenizer into `folder`; routers' correction biases and the indexer's key norm random too."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_models.build_tokenizer(folder)
-    settings = dict(settings)
-    model_type = settings.pop("model_type")
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **settings)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tiny_models.randomize_correction_biases(model)
-    with torch.no_grad():  # transformers starts the indexer's LayerNorm at weight 1, bias 0: make both count
-        for name, param in model.named_parameters():
-            if ".indexer.k_norm." in name:
-                param.copy_(torch.randn(param.shape) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
 
 
 def with_config(folder: Path, destination: Path, **changes) -> Path:

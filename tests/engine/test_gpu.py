@@ -126,8 +126,7 @@ def test_sparse_latent_attention_models_in_float32_give_transformers_tokens(arch
     if arch == "deepseek_v4":
         folder = tiny_models.make_tiny_v4_model(tmp_path / arch)
     else:
-        import test_deepseek_v32 as dsa
-        folder = dsa.make_dsa_model(tmp_path / arch, getattr(dsa, f"{arch}_config")())
+        folder = tiny_models.make_dsa_model(tmp_path / arch, getattr(tiny_models, f"{arch}_config")())
     hf = hf_on_gpu(folder, torch.float32)
     prompts = [list(range(3, 60)), [5, 6, 7], list(range(100, 131))]
     expected = [hf_greedy(hf, prompt) for prompt in prompts]

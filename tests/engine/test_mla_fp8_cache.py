@@ -220,33 +220,12 @@ def test_per_token_scales_are_refused_naming_the_option(trained):
 
 # ---- DeepSeek-V3.2 -------------------------------------------------------------------------------------------
 
-# tests/engine/test_deepseek_v32.py's tiny DeepSeek-V3.2: an index top-k (8) smaller than the prompt.
-V32 = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=6,
-           kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
-           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
-           first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-           index_topk=8, index_head_dim=16, index_n_heads=16, max_position_embeddings=512, rms_norm_eps=1e-5,
-           initializer_range=0.2, tie_word_embeddings=False)
-
-
-def make_v32_model(folder):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    folder.mkdir(parents=True)
-    tokenizer = tiny_models.build_tokenizer(folder)
-    config = AutoConfig.for_model("deepseek_v32", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **V32)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tiny_models.randomize_correction_biases(model)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
-
-
 def test_deepseek_v32_keeps_index_keys_in_the_model_dtype_and_its_logprobs(tmp_path):
     """DSA's latent cache in FP8 beside index keys in float32 (the top-k selection reads unquantized index
     keys). A random model is sensitive to the latent's rounding: its log-probabilities move by 0.32 on
     average after the first chunk (measured), against 2.4 with every entry flushed to zero."""
-    folder = make_v32_model(tmp_path / "v32")
+    # tests/engine/test_deepseek_v32.py's tiny DeepSeek-V3.2: an index top-k (8) smaller than the prompt.
+    folder = tiny_models.make_dsa_model(tmp_path / "v32", tiny_models.deepseek_v32_config(), random_index_norm=False)
     prompt = torch.randint(3, tiny_models.VOCAB_SIZE, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
 
