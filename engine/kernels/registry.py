@@ -117,8 +117,9 @@ def describe(fn) -> str:
     return f"{fn.__module__.removeprefix('engine.kernels.')}.{name}"
 
 
-class BackendUnavailable(RuntimeError):
-    """The requested kernel backend cannot run on this machine; the message says why."""
+class BackendUnavailable(ValueError):
+    """The requested kernel backend cannot run on this machine; the message says why (a user's choice that
+    cannot be met: a ValueError, as every configuration error)."""
 
 
 def _load(name: str):

@@ -1,4 +1,4 @@
-"""The `atom-ray generate` command."""
+"""The `atom-ray generate` and `atom-ray kernels` commands."""
 from __future__ import annotations
 
 import subprocess
@@ -19,3 +19,16 @@ def test_invalid_engine_flag_is_a_clear_error():
     result = run_cli("generate", "--prompt", "hi", "--block-size", "24")
     assert result.returncode == 2
     assert "EngineConfig.block_size must be a power of two" in result.stderr
+
+
+def test_kernels_lists_the_mla_ops_and_refuses_a_backend_this_machine_cannot_run(capsys):
+    """`atom-ray kernels` for DeepSeek-V3's real shape (dummy weights: nothing is loaded); asking for the
+    Triton backend on a CPU is a clear error, not a traceback."""
+    from atom_ray.cli import main
+    from pathlib import Path
+    model = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "deepseek-v3")
+    assert main(["kernels", "--model", model, "--load-format", "dummy"]) == 0
+    table = capsys.readouterr().out
+    assert "mla_attention" in table and "mla_sparse_attention" in table
+    assert main(["kernels", "--model", model, "--load-format", "dummy", "--kernel-backend", "triton"]) == 2
+    assert "kernel_backend='triton' cannot run on cpu" in capsys.readouterr().err
