@@ -58,7 +58,7 @@ def _forward(layer: FusedMoE, exchange, x: torch.Tensor, routing=None) -> torch.
     layer._all_to_all = exchange
     layer.__dict__.pop("_route", None)
     if routing is not None:
-        layer._route = lambda tokens: routing
+        layer._route = lambda tokens, expert_ids=None: routing
     return layer(x)
 
 
