@@ -133,6 +133,11 @@ class CacheLayout:
     state_bytes_per_slot: int = 0
 
     @property
+    def total_bytes(self) -> int:
+        """What both pools take on a rank."""
+        return sum(g.num_blocks * g.bytes_per_block for g in self.groups) + self.num_state_slots * self.state_bytes_per_slot
+
+    @property
     def prefix_caching_blocker(self) -> str | None:
         """Why a cached prefix could not be reused exactly (every reason), or None."""
         reasons = []

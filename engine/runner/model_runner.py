@@ -18,8 +18,7 @@ from engine.core.scheduler_output import LogprobsLists, RunnerOutput, SchedulerO
 from engine.forward_context import forward_context
 from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant
 from engine.kernels.sampling import step_seed
-from engine.kv_cache_spec import (FULL_GROUP, CacheGroupLayout, CacheGroupMetadata, CacheLayout, PagedSpec,
-                                   StateSpec, group_blocks_for)
+from engine.kv_cache_spec import FULL_GROUP, CacheGroupMetadata, CacheLayout, PagedSpec, StateSpec
 from engine.layers.attention import Attention, KVCacheLayer
 from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
 from engine.loader import ModelSource, build_model
@@ -27,7 +26,7 @@ from engine.parallel import get_parallel_state
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
-from engine.runner.kv_cache import kv_cache_budget_bytes
+from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -180,56 +179,20 @@ class ModelRunner:
         """A cache's dtype: its spec's, else the KV dtype for the "kv" caches (FP8 where asked), else the model's."""
         return spec.dtype or (self.kv_cache_dtype if name == "kv" else self.dtype)
 
-    def cache_group_keys(self) -> list[tuple[int, int | None]]:
-        """The paged groups, (ratio, window), the full group first."""
-        keys = {spec.group for layer in self.cache_layers for spec in layer.cache_specs().values()
-                if isinstance(spec, PagedSpec)}
-        return sorted(keys, key=lambda key: (key != FULL_GROUP, key[0], key[1] or 0))
+    def cache_pools(self) -> CachePools:
+        """The sizing of both cache pools from this model's layers (engine/runner/kv_cache.py)."""
+        return CachePools(self.cache_layers, self.block_size, self._spec_dtype, self.kv_scale_granularity == "token",
+                          self.config.max_num_seqs, self.config.max_num_batched_tokens or 8192)
 
-    def group_bytes_per_block(self) -> dict[tuple[int, int | None], int]:
-        """Bytes one block of each paged group takes on this rank (every layer's caches in it, FP8 KV scales
-        included)."""
-        out = dict.fromkeys(self.cache_group_keys(), 0)
-        for layer in self.cache_layers:
-            for name, spec in layer.cache_specs().items():
-                if not isinstance(spec, PagedSpec):
-                    continue
-                element_size = torch.empty((), dtype=self._spec_dtype(name, spec)).element_size()
-                out[spec.group] += int(np.prod(spec.shape(1, self.block_size))) * element_size
-                if name == "kv" and self.kv_scale_granularity == "token":  # float32 key and value scales
-                    out[spec.group] += 2 * 4 * int(np.prod(layer.kv_scale_shape(1, self.block_size)))
-        return out
+    def cache_group_keys(self) -> list[tuple[int, int | None]]:
+        return self.cache_pools().group_keys()
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block in every paged group together."""
-        return sum(self.group_bytes_per_block().values())
-
-    def state_bytes_per_slot(self) -> int:
-        return sum(spec.bytes_per_slot(self.dtype) for layer in self.cache_layers
-                   for spec in layer.cache_specs().values() if isinstance(spec, StateSpec))
+        return sum(self.cache_pools().group_bytes_per_block().values())
 
     def cache_layout(self, num_token_blocks: int) -> CacheLayout:
-        """Both pools when the cache holds `num_token_blocks` blocks' worth of tokens: each paged group's
-        blocks (engine.kv_cache_spec.group_blocks_for) and a state slot per schedulable request."""
-        per_block = self.group_bytes_per_block()
-        kinds: dict = {}
-        for layer in self.cache_layers:
-            for spec in layer.cache_specs().values():
-                if isinstance(spec, PagedSpec) and spec.kind not in kinds.setdefault(spec.group, []):
-                    kinds[spec.group].append(spec.kind)
-        groups = tuple(CacheGroupLayout(key[0], key[1], group_blocks_for(
-            key, num_token_blocks, self.block_size, self.config.max_num_seqs, self._max_batched_tokens),
-            per_block[key], tuple(kinds[key])) for key in per_block)
-        state_bytes = self.state_bytes_per_slot()
-        return CacheLayout(self.block_size, groups, self.config.max_num_seqs if state_bytes else 0, state_bytes)
-
-    @property
-    def _max_batched_tokens(self) -> int:
-        return self.config.max_num_batched_tokens or 8192
-
-    def cache_bytes(self, layout: CacheLayout) -> int:
-        return (sum(g.num_blocks * g.bytes_per_block for g in layout.groups)
-                + layout.num_state_slots * layout.state_bytes_per_slot)
+        return self.cache_pools().layout(num_token_blocks)
 
     def determine_num_kv_blocks(self) -> int:
         """How many blocks' worth of tokens this rank can cache (the full group's blocks; the other groups
@@ -241,14 +204,7 @@ class ModelRunner:
             self.profile_run()
         budget = kv_cache_budget_bytes(self.config, self.device, get_parallel_state().ranks_on_device)
         blocks_per_seq = -(-self.max_model_len // self.block_size)
-        low, high = 0, blocks_per_seq * self.config.max_num_seqs + 1
-        while low < high:  # the largest count whose pools fit (their bytes grow with it)
-            middle = (low + high + 1) // 2
-            if self.cache_bytes(self.cache_layout(middle)) <= budget:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        return self.cache_pools().most_blocks_within(budget, blocks_per_seq * self.config.max_num_seqs + 1)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -293,7 +249,7 @@ class ModelRunner:
             layer.bind_caches(caches)
             if "kv" in caches and layer.supports_fp8_kv_cache:
                 layer.kv_quant = self._kv_quant(layer, blocks[layer.cache_specs()["kv"].group])
-        logger.info("KV cache: %.2f GiB; %s%s", self.cache_bytes(layout) / 2**30, "; ".join(
+        logger.info("KV cache: %.2f GiB; %s%s", layout.total_bytes / 2**30, "; ".join(
             f"{'/'.join(g.kinds) or 'attention'} ({'every' if g.ratio == 1 else f'1 per {g.ratio}'} token"
             f"{f', window {g.window}' if g.window else ''}): {g.num_blocks} blocks = "
             f"{g.num_blocks * self.block_size * g.ratio} tokens" for g in layout.groups),
