@@ -260,7 +260,8 @@ class KVCacheManager:
             if manager.num_new_blocks(request, num_new_tokens, cached) > manager.num_free_blocks:
                 return False
         for index, manager in enumerate(self.managers):
-            assert manager.allocate(request, num_new_tokens, cached_block_ids if index == 0 else ())
+            taken = manager.allocate(request, num_new_tokens, cached_block_ids if index == 0 else ())
+            assert taken, "a group refused blocks it had just counted as free"
         if self.slots is not None and request.state_slot is None:
             request.state_slot = self.slots.take()
         return True
