@@ -19,16 +19,10 @@ AITER_SHAPES = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=
 
 
 @pytest.fixture
-def double(monkeypatch, request):
+def double(request):
     """The double imported as `aiter`, the backend allowed on the CPU, for one emulated GPU arch."""
-    arch = getattr(request, "param", "gfx950")
-    import engine.kernels.aiter as backend
-    from engine.kernels.aiter import ops as aiter_ops
-    monkeypatch.setattr(backend, "available", lambda device: None)
-    aiter_ops.gfx.cache_clear()
-    with aiter_double.activate(arch) as module:
+    with aiter_double.serving(getattr(request, "param", "gfx950")) as module:
         yield module
-    aiter_ops.gfx.cache_clear()
 
 
 # Trained briefly (tests/tiny_models.make_trained_tiny_model): bf16 kernels that round differently from the

@@ -25,15 +25,10 @@ BLOCK_SIZE = 4
 
 
 @pytest.fixture
-def double(monkeypatch):
+def double():
     """The double imported as `aiter`, the backend allowed on the CPU (emulating an MI355X)."""
-    import engine.kernels.aiter as backend
-    from engine.kernels.aiter import ops as aiter_ops
-    monkeypatch.setattr(backend, "available", lambda device: None)
-    aiter_ops.gfx.cache_clear()
-    with aiter_double.activate("gfx950") as module:
+    with aiter_double.serving("gfx950") as module:
         yield module
-    aiter_ops.gfx.cache_clear()
 
 
 def rand(generator, *shape, std=1.0):

@@ -248,15 +248,10 @@ def test_deepseek_v32_keeps_index_keys_in_the_model_dtype_and_its_logprobs(tmp_p
 # ---- the aiter backend ---------------------------------------------------------------------------------------
 
 @pytest.fixture
-def double(monkeypatch):
+def double():
     """The AITER double imported as `aiter`, the backend allowed on the CPU (emulating an MI355X)."""
-    import engine.kernels.aiter as backend
-    from engine.kernels.aiter import ops as aiter_ops
-    monkeypatch.setattr(backend, "available", lambda device: None)
-    aiter_ops.gfx.cache_clear()
-    with aiter_double.activate("gfx950") as module:
+    with aiter_double.serving("gfx950") as module:
         yield module
-    aiter_ops.gfx.cache_clear()
 
 
 def test_aiter_leaves_fp8_latent_caches_to_the_fallback_and_says_why(double):

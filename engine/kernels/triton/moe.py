@@ -205,6 +205,12 @@ def block_rows(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def clamp_swiglu(gate, up, limit):
+    """DeepSeek-V4's clamped SwiGLU inputs: gate <= limit, -limit <= up <= limit."""
+    return tl.minimum(gate, limit), tl.minimum(tl.maximum(up, -limit), limit)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
                     top_k, stride_x, stride_we, stride_wn, num_n_blocks, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
@@ -237,8 +243,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
         gate += dot(a, tl.load(gate_cols + k, mask=w_mask, other=0.0), UPCAST)
         up += dot(a, tl.load(up_cols + k, mask=w_mask, other=0.0), UPCAST)
     if CLAMP:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
+        gate, up = clamp_swiglu(gate, up, limit)
     store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter)
 
 

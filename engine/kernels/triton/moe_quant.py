@@ -78,8 +78,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w13_ptr, w13_scale_ptr, act_ptr, sorted_
     gate = scale_output(gate, x_scale_ptr, a_index, s_base, features, feature_mask, METHOD, ACT)
     up = scale_output(up, x_scale_ptr, a_index, s_base, inter + features, feature_mask, METHOD, ACT)
     if CLAMP:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
+        gate, up = moe.clamp_swiglu(gate, up, limit)
     moe.store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter)
 
 
