@@ -437,7 +437,7 @@ class ModelRunner:
             num_computed_tokens_cpu=computed,
             groups=groups,
             state_slots=(self._to_device(np.asarray(state_slots, dtype=np.int64))
-                         if getattr(self, "layout", None) is not None and self.layout.num_state_slots else None),
+                         if self.layout is not None and self.layout.num_state_slots else None),
             state_slots_cpu=list(state_slots),
         )
         return self.attn_backend.build_metadata(common, self.block_size)
