@@ -49,7 +49,8 @@ LOCAL_CLUSTER_SETTINGS = {
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
-
+# How long a cluster's GCS may take to accept a connection before the cluster is taken to be gone.
+GCS_ANSWER_TIMEOUT_S = 3.0
 
 
 def haproxy_available() -> bool:
@@ -108,19 +109,33 @@ def _free_port() -> int:
 
 def ensure_ray(address: str | None = None, join_running: bool = True, num_cpus: int | None = None,
                dashboard: bool = False) -> bool:
-    """Join `address`; else, with `join_running`, a cluster found by Ray's discovery (RAY_ADDRESS, or a Ray
-    running on this machine); else start a local one on 127.0.0.1, with LOCAL_CLUSTER_SETTINGS and Serve's
-    HAProxy ingress, and the dashboard (on 127.0.0.1:8265, behind the token; about 1 GB of memory; `serve
-    status` needs it) only if asked for. Returns True when this call started a new local cluster."""
+    """Join `address`; else, with `join_running`, a cluster found by Ray's discovery (RAY_ADDRESS, the
+    machine's record of its current cluster, or a Ray running on this machine); else start a local one on
+    127.0.0.1, with LOCAL_CLUSTER_SETTINGS and Serve's HAProxy ingress, and the dashboard (on
+    127.0.0.1:8265, behind the token; about 1 GB of memory; `serve status` needs it) only if asked for.
+    Returns True when this call started a new local cluster.
+
+    Only a cluster whose GCS answers within GCS_ANSWER_TIMEOUT_S is joined: Ray itself retries a dead one
+    for minutes (a driver killed with SIGKILL leaves its record behind). A discovered one that does not
+    answer is ignored, with a warning; an `address` that does not answer raises ConnectionError."""
     import ray
     if ray.is_initialized():
         return False
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
+    if address == "auto" and _joinable_cluster() is None:
+        raise ConnectionError("address='auto': no running Ray cluster that answers was found on this machine "
+                              "(RAY_ADDRESS, the current-cluster record or a Ray process); start one, or leave "
+                              "the address out to start a local cluster")
     if address is not None:
+        if not _answers(address):
+            raise ConnectionError(
+                f"no Ray cluster answers at {address}: its GCS did not accept a connection within "
+                f"{GCS_ANSWER_TIMEOUT_S:g} s; check the address (host:port of the head node's GCS, 6379 by "
+                "default) and that the cluster runs, or leave the address out to start a local cluster")
         ray.init(address=address, logging_level="WARNING")
         return False
-    if join_running:
+    if join_running and _joinable_cluster() is not None:
         try:
             ray.init(address="auto", logging_level="WARNING")
             return False
@@ -141,6 +156,64 @@ def ensure_ray(address: str | None = None, join_running: bool = True, num_cpus: 
     return True
 
 
+def _joinable_cluster() -> str | None:
+    """The address that Ray's `address="auto"` resolves to (RAY_ADDRESS; else a GCS named by a raylet's
+    command line or the machine's current-cluster record), if its GCS answers; else None. A record naming a
+    GCS that does not answer is removed first (Ray would retry it for minutes, and so would every later
+    start), so that discovery goes on to a running Ray, if any."""
+    from ray._private import services
+    from ray._private.utils import get_ray_address_file
+    path = get_ray_address_file(None)
+    recorded = _read_record(path)
+    if recorded and not _answers(recorded):
+        logger.warning("the record at %s names %s, which does not answer, so it is ignored (and removed)",
+                       path, recorded)
+        _withdraw_record(path, recorded)
+    services.find_gcs_addresses.cache_clear()
+    try:
+        found = services.get_ray_address_from_environment("auto", None)
+    except ConnectionError:  # nothing to join
+        return None
+    if _answers(found):
+        return found
+    if found == os.environ.get("RAY_ADDRESS"):
+        logger.warning("RAY_ADDRESS names %s, which does not answer, so it is ignored", found)
+    elif found != recorded:  # (a record that could not be removed was reported above)
+        logger.warning("a Ray process on this machine names the GCS %s, which does not answer, so it is ignored",
+                       found)
+    return None
+
+
+def _answers(address: str) -> bool:
+    """Whether something accepts a TCP connection at `address` (host:port, optionally scheme://host:port)
+    within GCS_ANSWER_TIMEOUT_S; an address of another form is left to Ray (True)."""
+    host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        return True
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=GCS_ANSWER_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def _read_record(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
+def _withdraw_record(path: str, gcs_address: str) -> None:
+    """Remove the current-cluster record at `path` if it still names `gcs_address`."""
+    if _read_record(path) == gcs_address:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
 def _announce_address(gcs_address: str) -> None:
     """Record this cluster as the machine's current one, as `ray start` does (the file Ray's
     `address="auto"` reads first), and take the record back at exit if it is still ours. Without it, a job
@@ -155,15 +228,7 @@ def _announce_address(gcs_address: str) -> None:
     except OSError as exc:
         logger.warning("could not record the cluster's address in %s: %s", path, exc)
         return
-
-    def withdraw() -> None:
-        try:
-            with open(path) as handle:
-                if handle.read().strip() == gcs_address:
-                    os.remove(path)
-        except OSError:
-            pass
-    atexit.register(withdraw)
+    atexit.register(_withdraw_record, path, gcs_address)
 
 
 def _make_token_private() -> None:

@@ -1,11 +1,13 @@
 """asyncio front of an in-process engine. An EngineLoop thread owns the engine and runs its step loop;
 callers send it commands (add, abort) and await their own stream of outputs, so no caller ever waits
 behind a lock for the loop to let go. The Ray client (atom_ray) offers the same methods for a
-distributed engine."""
+distributed engine. `shutdown()`, the end of a `with` (or `async with`) block, or dropping the AsyncLLM stops
+the loop, which gives the engine's memory back."""
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
@@ -25,8 +27,12 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._loop = EngineLoop(lambda: engine, self._publish, self._fail_all,
+        # The loop's thread reaches this object only weakly, so that a dropped AsyncLLM is collected and
+        # its finalizer stops the loop (which then shuts the engine down).
+        self._loop = EngineLoop(lambda: engine, _weak_method(self._publish), _weak_method(self._fail_all),
                                 step_timeout_s=engine.config.step_timeout_s)
+        self._finalizer = weakref.finalize(self, _stop_loop, self._loop)
+        self._finalizer.atexit = False
         self._loop.built.result()
 
     @classmethod
@@ -44,6 +50,8 @@ class AsyncLLM:
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (each cumulative, with the step's delta). Raises InvalidRequestError
         before the first output if the request is refused. Leaving the loop early aborts the request."""
+        if not self._finalizer.alive:
+            raise EngineDeadError("this AsyncLLM was shut down; create a new one to generate")
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error!r}")
         request_id = request_id or self.engine.new_request_id()
@@ -84,7 +92,21 @@ class AsyncLLM:
         return self._loop.stats()
 
     def shutdown(self) -> None:
-        self._loop.shutdown()
+        """Stop the step loop, which frees the engine's weights, KV cache and graphs; generate raises
+        EngineDeadError afterwards. Calling it again does nothing."""
+        self._finalizer()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await asyncio.to_thread(self.shutdown)  # it waits for the step thread: not on the event loop
 
     # ---- called on the step thread ----------------------------------------------------------------------
     def _publish(self, outputs: list[RequestOutput]) -> None:
@@ -106,3 +128,21 @@ class AsyncLLM:
             request_ids = list(self._streams)
         for request_id in request_ids:
             self._deliver(request_id, exc, remove=True)
+
+
+def _weak_method(method):
+    """`method` called through a weak reference to its object: a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
+
+
+def _stop_loop(loop: EngineLoop) -> None:
+    try:
+        loop.shutdown()
+    except RuntimeError:  # dropped on the step thread itself, which cannot wait for itself; it stops next
+        pass

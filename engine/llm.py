@@ -1,10 +1,12 @@
-"""The offline API: `LLM(model, **engine_args).generate(prompts, sampling_params)` and `.chat(...)`."""
+"""The offline API: `LLM(model, **engine_args).generate(prompts, sampling_params)` and `.chat(...)`.
+`shutdown()`, the end of a `with LLM(...) as llm:` block, or dropping the LLM gives its memory back."""
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, RequestFailedError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -13,6 +15,21 @@ from engine.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str, show_progress: bool = True, **engine_args) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args), show_progress=show_progress)
+        # Runs once: at shutdown(), or when the LLM is dropped (it holds the engine, not the LLM). Not at
+        # interpreter exit, where the process gives everything back anyway.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        self._finalizer.atexit = False
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Free the model's weights, KV cache and graphs (another LLM in this process can then have the
+        memory); generate and chat raise EngineDeadError afterwards. Calling it again does nothing."""
+        self._finalizer()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -36,6 +53,8 @@ class LLM:
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if not self._finalizer.alive:
+            raise EngineDeadError("this LLM was shut down; create a new LLM to generate")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
