@@ -34,6 +34,17 @@ AFFINITY_SLACK = 4  # outstanding requests by which an affine rank may exceed th
 AFFINITY_MEMORY = 65536  # prefixes remembered
 
 
+def merge_expert_loads(loads: list[dict]) -> dict:
+    """Independent DP ranks' expert loads (each counts its own tokens) as one. Under expert parallelism every
+    rank's report already covers the whole EP group, so one rank's is the whole picture."""
+    per_expert = [sum(values) for values in zip(*(load["tokens_per_expert"] for load in loads))]
+    total = sum(per_expert)
+    return {"window_steps": min(load["window_steps"] for load in loads), "tokens": total,
+            "tokens_per_expert": per_expert, "tokens_per_ep_rank": [total],
+            "ep_rank_imbalance": 1.0,
+            "expert_imbalance": max(per_expert) * len(per_expert) / total if total else 1.0}
+
+
 def _rendezvous_address() -> str:
     from atom_ray.placement import rendezvous_address
     return rendezvous_address()
@@ -42,6 +53,7 @@ def _rendezvous_address() -> str:
 class DPCoordinator(ClientOutboxes):
     ROUTER_CLIENT = "dp-router"
     POLL_TIMEOUT_S = 1.0
+    SHUTDOWN_TIMEOUT_S = 45.0
 
     def __init__(self, config: EngineConfig, group, options: PlacementOptions) -> None:
         logging.basicConfig(level=logging.INFO)
@@ -152,6 +164,9 @@ class DPCoordinator(ClientOutboxes):
         if total.get("num_state_slots"):
             total["state_slot_usage"] = 1.0 - total.get("num_free_state_slots", 0) / total["num_state_slots"]
         total["dp_ranks"] = ranks
+        loads = [stats["expert_load"] for stats in self._rank_stats if stats.get("expert_load")]
+        if loads:
+            total["expert_load"] = loads[0] if self.config.enable_expert_parallel else merge_expert_loads(loads)
         total["affinity_routed_requests"] = self.affinity_routed
         total["error"] = repr(self._error) if self._error is not None else None
         return total
@@ -159,8 +174,12 @@ class DPCoordinator(ClientOutboxes):
     async def shutdown(self) -> None:
         for task in self._pollers:
             task.cancel()
-        # Together: lockstep ranks stop at the same vote.
-        results = await asyncio.gather(*(rank.shutdown.remote() for rank in self.ranks), return_exceptions=True)
+        # Together: lockstep ranks stop at the same agreement. A rank that hangs in its teardown is killed.
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(rank.shutdown.remote() for rank in self.ranks),
+                                                            return_exceptions=True), self.SHUTDOWN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            results = [TimeoutError(f"no clean stop within {self.SHUTDOWN_TIMEOUT_S:.0f} s")] * self.size
         for dp, result in enumerate(results):
             if isinstance(result, BaseException):
                 logger.warning("DP rank %d did not stop cleanly: %r", dp, result)

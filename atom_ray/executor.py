@@ -4,6 +4,7 @@ group. A step costs no Ray call at all: Ray only starts the peers and stops them
 from __future__ import annotations
 
 import logging
+import threading
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
@@ -65,17 +66,31 @@ class RayExecutor:
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         return self.execute_async(scheduled).result()
 
-    def shutdown(self) -> None:
+    def step_needs_eager(self, scheduled: SchedulerOutput) -> bool:
+        return self.worker.runner.step_needs_eager(scheduled)
+
+    def expert_load(self) -> dict | None:
+        """Rank 0's report: under expert parallelism it counts the whole EP group's routing."""
+        tracker = self.worker.runner.expert_load
+        return tracker.report() if tracker is not None else None
+
+    def shutdown(self, timeout_s: float = 20.0) -> None:
+        """Stop the peers' loops, then tear every rank's process groups down together (NCCL's teardown waits
+        for every rank); a rank that does not finish within `timeout_s` is left behind, its actor killed."""
         import ray
         try:
             if self._follow_refs:
                 self.worker.stop_followers()
-                ray.get(self._follow_refs, timeout=20)
-            # Together: destroying an NCCL group waits for every rank to destroy it.
+                ray.get(self._follow_refs, timeout=timeout_s)
+            refs = [peer.shutdown.remote() for peer in self.peers]
             if self.worker is not None:
-                self._on_every_rank("shutdown", timeout_s=20)
-            else:
-                ray.get([peer.shutdown.remote() for peer in self.peers], timeout=20)
+                leader = threading.Thread(target=self.worker.shutdown, name="rank0-teardown", daemon=True)
+                leader.start()
+                leader.join(timeout_s)
+                if leader.is_alive():
+                    logger.warning("rank 0's process groups did not tear down within %.0f s; left to the "
+                                   "process's end", timeout_s)
+            ray.get(refs, timeout=timeout_s)
         except Exception as exc:  # shutting down: report, then force
             logger.warning("rank workers did not stop cleanly: %r", exc)
         for peer in self.peers:

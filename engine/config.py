@@ -13,6 +13,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 KV_CACHE_SCALES = ("auto", "tensor", "token")
 QUANTIZATIONS = ("fp8", "fp8_tensor", "fp8_channel", "fp8_block", "mxfp4")
+EXPERT_EXCHANGES = ("auto", "allgather", "all_to_all", "mori")  # engine.parallel.all_to_all.make_all_to_all
 
 
 class ConfigError(ValueError):
@@ -43,6 +44,14 @@ class EngineConfig:
     # Expert parallelism for MoE models: experts split across all data_parallel_size x tensor_parallel_size
     # ranks (whole experts per rank) instead of every rank holding a slice of every expert.
     enable_expert_parallel: bool = False
+    # How expert-parallel MoE layers exchange tokens, in buffers sized by the step's padded token count:
+    # "allgather" (all-gather the group's tokens, reduce-scatter the results), "all_to_all" (a padded
+    # all-to-all with a fixed capacity per destination), "mori" (AMD's MORI kernels, ROCm), "auto" (MORI
+    # with the aiter backend where it fits, else the form measured faster for the step's size).
+    expert_exchange: str = "auto"
+    # Tokens per expert and per EP rank are reported over windows of this many steps (engine stats,
+    # /metrics, benchmarks); 0 turns the counting off (it costs a few small kernels per MoE layer and step).
+    expert_load_window: int = 64
     seed: int = 0
     load_format: str = "auto"
     num_kv_blocks: int | None = None
@@ -86,6 +95,10 @@ class EngineConfig:
         self._check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
                     f"must be one of {QUANTIZATIONS} or None")
         self._check(self.kv_cache_scales in KV_CACHE_SCALES, "kv_cache_scales", f"must be one of {KV_CACHE_SCALES}")
+        self._check(self.expert_exchange in EXPERT_EXCHANGES, "expert_exchange", f"must be one of {EXPERT_EXCHANGES}")
+        self._check(isinstance(self.expert_load_window, int) and not isinstance(self.expert_load_window, bool)
+                    and self.expert_load_window >= 0, "expert_load_window",
+                    "must be a number of steps >= 0 (0 turns the counting off)")
         self._positive_int("max_num_seqs")
         self._positive_int("block_size")
         self._positive_int("tensor_parallel_size")

@@ -23,6 +23,7 @@ from typing import Callable
 
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
+from engine.lockstep import BUSY, IDLE, STOP
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -31,10 +32,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineLoop", "EngineDeadError"]
 
 FIRST_STEP_ALLOWANCE = 4  # the first step's limit, in step_timeout_s
-# Lockstep DP ranks (MoE layers exchanging tokens across DP ranks) vote before every step: the largest vote
-# wins. While all are idle they vote this often (a tiny CPU all-reduce), so a request that reaches one rank
-# starts every rank's steps within this time.
-VOTE_IDLE, VOTE_BUSY, VOTE_STOP = 0, 1, 2
+# Lockstep DP ranks (MoE layers exchanging tokens across DP ranks) agree before every step (engine/lockstep.py).
+# While all are idle they agree this often (a tiny CPU all-reduce), so a request that reaches one rank starts
+# every rank's steps within this time.
 LOCKSTEP_IDLE_POLL_S = 0.02
 
 
@@ -124,7 +124,7 @@ class EngineLoop:
         self._built.set_result(engine)
         if self._step_timeout_s:
             threading.Thread(target=self._watch, name=f"{self._thread.name}-watchdog", daemon=True).start()
-        lockstep = getattr(engine, "lockstep", False)
+        lockstep = engine.lockstep is not None  # every DP rank steps, or none does; a stop by any stops all
         while (lockstep or not self._stopped) and self.error is None:
             self._work.clear()
             try:
@@ -133,18 +133,8 @@ class EngineLoop:
                 logger.exception("engine command failed")
                 self._die(exc)
                 break
-            if lockstep:  # every DP rank steps, or none does; a stop by any rank stops all
-                try:
-                    vote = self._vote(engine)
-                except BaseException as exc:
-                    logger.exception("the lockstep vote of the data-parallel ranks failed")
-                    self._die(exc)
-                    break
-                if vote == VOTE_STOP:
-                    break
-                if vote == VOTE_IDLE:
-                    self._work.wait(timeout=LOCKSTEP_IDLE_POLL_S)
-                    continue
+            if lockstep:
+                engine.stop_requested = self._stopped
             elif not engine.has_unfinished_requests():
                 self._work.wait(timeout=0.5)
                 continue
@@ -159,21 +149,21 @@ class EngineLoop:
                 elapsed, self._step_started = time.monotonic() - self._step_started, None
             if self.error is not None:  # the watchdog gave up on this step while it ran
                 break
-            self._slowest_step_s = max(self._slowest_step_s, elapsed)
-            self._steps_done += 1
+            if not lockstep or engine.lockstep_status == BUSY:
+                self._slowest_step_s = max(self._slowest_step_s, elapsed)
+                self._steps_done += 1
             self._stats = engine.stats()
             if outputs:
                 self._publish(outputs)
+            if lockstep and engine.lockstep_status == STOP:
+                break
+            if lockstep and engine.lockstep_status == IDLE:
+                self._work.wait(timeout=LOCKSTEP_IDLE_POLL_S)
         self._refuse_pending_commands()
         try:
             engine.shutdown()
         except Exception:
             logger.exception("engine shutdown failed")
-
-    def _vote(self, engine: LLMEngine) -> int:
-        from engine.parallel import dp_vote
-        mine = VOTE_STOP if self._stopped else VOTE_BUSY if engine.has_unfinished_requests() else VOTE_IDLE
-        return dp_vote(mine)
 
     def _watch(self) -> None:
         while not self._stopped and self.error is None:

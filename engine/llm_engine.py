@@ -19,6 +19,7 @@ from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.kv_cache_spec import CacheLayout
+from engine.lockstep import BUSY, IDLE, STOP, Lockstep
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -36,6 +37,8 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> "CacheLayout | None": ...
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
     def execute_async(self, scheduled: SchedulerOutput): ...  # in-process: has .result(); Ray: an ObjectRef
+    def step_needs_eager(self, scheduled: SchedulerOutput) -> bool: ...
+    def expert_load(self) -> dict | None: ...
     def shutdown(self) -> None: ...
 
 
@@ -69,8 +72,26 @@ class InProcessExecutor:
     def execute_async(self, scheduled: SchedulerOutput):
         return self.runner.execute_async(scheduled)
 
+    def step_needs_eager(self, scheduled: SchedulerOutput) -> bool:
+        return self.runner.step_needs_eager(scheduled)
+
+    def expert_load(self) -> dict | None:
+        return self.runner.expert_load.report() if self.runner.expert_load is not None else None
+
     def shutdown(self) -> None:
-        pass
+        """Give the model's memory back (weights, KV cache, graphs), so that another engine in this process
+        can have it. Idempotent. (It joined no process group: tensor_parallel_size is 1.)"""
+        import gc
+
+        import torch
+        if self.runner.uses_cuda:
+            torch.cuda.synchronize(self.runner.device)  # a step launched ahead may still read the caches
+        self.runner.release()
+        gc.collect()  # the model's modules refer to each other (weight loaders are bound methods)
+        if self.runner.uses_cuda:
+            torch.cuda.empty_cache()
+            # The next engine's profiling pass reads its activation peak off this counter (kv_cache.py).
+            torch.cuda.reset_peak_memory_stats(self.runner.device)
 
 
 def default_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
@@ -107,9 +128,11 @@ class LLMEngine:
         self.config = config
         self.source = resolve_model(config.model, config.load_format, config.hf_overrides)
         check_parallel_layout(config, self.source.hf_config)
-        # Lockstep DP ranks vote before each step (engine.parallel.dp_vote) and one with nothing to run runs
-        # a dummy step, so that every rank's MoE layers join the same token exchanges.
-        self.lockstep = config.lockstep
+        # Lockstep DP ranks agree on each step before launching it (engine/lockstep.py) and one with nothing
+        # to run runs a dummy step, so that every rank's MoE layers join the same token exchanges.
+        self.lockstep = Lockstep() if config.lockstep else None
+        self.stop_requested = False  # lockstep: this rank asks every rank to stop at the next agreement
+        self.lockstep_status = BUSY  # lockstep: what the latest agreement decided
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer else eos_ids_from_config(self.source))
         self.max_model_len = resolve_max_model_len(config, self.source.hf_config)
@@ -256,11 +279,25 @@ class LLMEngine:
     def schedule_step(self) -> SchedulerOutput | None:
         """The next step plan, or None when there is nothing for the runners to do."""
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty and self.lockstep:
-            scheduled.dummy = True  # runs a forward pass all the same (SchedulerOutput.dummy)
-            return scheduled
+        if self.lockstep is not None:
+            return self._agree(scheduled)
         if scheduled.is_empty and not scheduled.finished_request_ids:
             return None
+        return scheduled
+
+    def _agree(self, scheduled: SchedulerOutput) -> SchedulerOutput | None:
+        """Lockstep DP: agree with the other DP ranks on this step (engine/lockstep.py). Every rank steps
+        when any has work, one without work a dummy step (SchedulerOutput.dummy); None when all are idle or
+        some rank stops (`lockstep_status` says which)."""
+        busy = not scheduled.is_empty or bool(scheduled.finished_request_ids) or self.has_unfinished_requests()
+        status = STOP if self.stop_requested else BUSY if busy else IDLE
+        eager = not scheduled.is_empty and self.executor.step_needs_eager(scheduled)
+        agreed = self.lockstep.agree(status, scheduled.total_num_scheduled_tokens, eager)
+        self.lockstep_status = agreed.status
+        if agreed.status != BUSY:
+            return None
+        scheduled.ep_num_tokens, scheduled.ep_eager = agreed.num_tokens, agreed.eager
+        scheduled.dummy = scheduled.is_empty  # runs a forward pass all the same
         return scheduled
 
     def update_step(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
@@ -291,7 +328,11 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generated_tokens_total,
+            **(self.lockstep.stats() if self.lockstep is not None else {}),
+            **({"expert_load": load} if (load := self.executor.expert_load()) is not None else {}),
         }
 
     def shutdown(self) -> None:
+        """Release the executor's devices and memory; the engine cannot step afterwards."""
+        self._in_flight = None  # a launched step refers to the runner
         self.executor.shutdown()

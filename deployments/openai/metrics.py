@@ -49,6 +49,23 @@ _DP_RANK_COUNTERS = (
 )
 
 
+# Expert load over the engine's latest window of steps (engine/runner/expert_load.py): (token, expert) pairs
+# summed over the MoE layers, per expert and per EP rank, so that an imbalanced deployment shows.
+_EXPERT_LOAD_GAUGES = (
+    ("expert_load_window_steps", "window_steps", "Steps in the window the expert-load gauges cover."),
+    ("ep_rank_load_imbalance", "ep_rank_imbalance",
+     "Tokens routed to the busiest EP rank over the mean rank's, in the window (1 = balanced)."),
+    ("expert_load_imbalance", "expert_imbalance",
+     "Tokens routed to the busiest expert over the mean expert's, in the window (1 = balanced)."),
+)
+_EXPERT_LOAD_LABELLED = (
+    ("expert_load_tokens", "tokens_per_expert", "expert",
+     "(token, expert) pairs routed to this expert in the window, summed over the MoE layers."),
+    ("ep_rank_load_tokens", "tokens_per_ep_rank", "ep_rank",
+     "(token, expert) pairs routed to this EP rank's experts in the window, summed over the MoE layers."),
+)
+
+
 class _EngineStatsCollector:
     """Exposes the latest `client.stats()` snapshot; the engine's counters are cumulative, so they are
     reported as they are rather than incremented here."""
@@ -66,6 +83,17 @@ class _EngineStatsCollector:
             family = CounterMetricFamily(PREFIX + name, help_text)
             if key in self.stats:
                 family.add_metric([], float(self.stats[key]))
+            yield family
+        load = self.stats.get("expert_load") or {}
+        for name, key, help_text in _EXPERT_LOAD_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, help_text)
+            if key in load:
+                family.add_metric([], float(load[key]))
+            yield family
+        for name, key, label, help_text in _EXPERT_LOAD_LABELLED:
+            family = GaugeMetricFamily(PREFIX + name, help_text, labels=[label])
+            for index, value in enumerate(load.get(key, [])):
+                family.add_metric([str(index)], float(value))
             yield family
         ranks = self.stats.get("dp_ranks") or []
         for kinds, family_type in ((_DP_RANK_GAUGES, GaugeMetricFamily), (_DP_RANK_COUNTERS, CounterMetricFamily)):

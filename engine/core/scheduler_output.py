@@ -38,9 +38,14 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests the runners must forget before this step (finished, aborted or preempted).
     finished_request_ids: set[str] = field(default_factory=set)
-    # Lockstep data parallelism: a rank with nothing to run still runs a forward pass of one dummy token
-    # (no attention, no sampling), so that its MoE layers take part in the other ranks' token exchanges.
+    # Lockstep data parallelism (engine/lockstep.py): a rank with nothing to run still runs a forward pass of
+    # padding rows (no cache writes, no sampling), so that its MoE layers take part in the other ranks'
+    # token exchanges.
     dummy: bool = False
+    # Expert parallelism across DP ranks: the most tokens any DP rank runs in this step (every rank's MoE
+    # exchanges pad to it; 0: this step's own count), and whether some DP rank runs it eagerly (then all do).
+    ep_num_tokens: int = 0
+    ep_eager: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -37,6 +37,10 @@ OPS = (
                             #   routed_scaling_factor) -> (weights, ids)
     "fused_experts",        # (x[T,H], w13[E,2I,H], w2[E,H,I], weights[T,k] fp32, ids[T,k] int32, -1 = none)
                             #   -> [T,H]: the weighted sum of each token's experts' MLPs
+    "moe_route_mask",       # (weights, ids, first_row, valid: Tensor[1]|int|None, counts[E+1]|None) -> (weights,
+                            #   ids) with padding rows (first_row + i >= valid) routed nowhere; counts += pairs
+    "moe_local_slots",      # (routing[R,2k] fp32: global ids then weights, expert_start, num_local, counts|None)
+                            #   -> (local ids[R,k] int32, weights[R,k] fp32); counts += the global pairs
     # Quantized weights (engine/kernels/quant.py states the formats; engine/kernels/torch/quant.py the maths).
     # An op may carry `prepare(qw) -> None`, run once per weight after loading to fill qw.prepared with the
     # layout its kernels read (see `prepare_quantized`).

@@ -6,8 +6,9 @@ then up rows) and `w2` [E_local, H, I]. They are split one of two ways:
   are summed across the TP group, as a row-parallel linear's are;
 - expert parallel (`enable_expert_parallel`): each of the EP group's dp_size x tp_size ranks holds whole
   experts, a contiguous range of them (uneven counts allowed: the first ranks take one more). Tokens go to
-  their experts' ranks and back through `engine.parallel.all_to_all`; ranks of one TP group each send a
-  slice of the (replicated) tokens and gather the results, so no expert work is done twice.
+  their experts' ranks and back through `engine.parallel.all_to_all`, in buffers sized by the step's
+  padded token count (engine.forward_context.MoEStep); ranks of one TP group each send a slice of the
+  (replicated) tokens and gather the results, so no expert work is done twice.
 
 Checkpoints may name experts one by one (`experts.<e>.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) or
 fused (`experts.gate_up_proj`, `experts.down_proj`); `FusedMoE.checkpoint_target` maps either to the
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.forward_context import MoEStep, current_moe_step
 from engine.kernels import ops
 from engine.kernels.quant import MXFP4_GROUP, QuantizedWeight, QuantScheme
 from engine.kernels.registry import prepare_quantized
@@ -30,7 +32,7 @@ from engine.layers.linear import ReplicatedLinear, shard_range
 from engine.layers.quantization import (aligned_narrow, building_experts_scheme, new_param,
                                         requantize_to_max_scale, unit_size)
 from engine.parallel import get_parallel_state, tensor_parallel_all_gather, tensor_parallel_all_reduce
-from engine.parallel.all_to_all import ExchangeLayout, make_all_to_all
+from engine.parallel.all_to_all import ExchangeLayout, ExpertAllToAll, ExpertPlacement, make_all_to_all
 
 
 @dataclass(frozen=True)
@@ -139,20 +141,6 @@ class Router(nn.Module):
         return ROUTERS[config.kind](logits, config, self.e_score_correction_bias)
 
 
-class ExpertLoad:
-    """Tokens routed to each expert of a layer since start (or the last reset): the load per expert that
-    benchmarks print and that shows routing imbalance under expert parallelism (where each TP rank counts the
-    slice of tokens it routes). Counting is off by default (it costs a device sync per layer);
-    `FusedMoE.count_expert_load(True)` turns it on."""
-
-    def __init__(self, num_experts: int) -> None:
-        self.counts = torch.zeros(num_experts, dtype=torch.int64)
-
-    def add(self, ids: torch.Tensor) -> None:
-        flat = ids.reshape(-1).long()
-        self.counts += torch.bincount(flat[flat >= 0].cpu(), minlength=self.counts.numel())
-
-
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, router: RouterConfig,
                  shared_experts: nn.Module | None = None, shared_expert_gate: bool = False,
@@ -182,7 +170,10 @@ class FusedMoE(nn.Module):
         # Qwen2-MoE style: sigmoid(x . g) scales the shared experts' output.
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1) if shared_expert_gate else None
         self._all_to_all = None
-        self.load: ExpertLoad | None = None
+        # Tokens routed to each expert since start, on the device ([E + 1]: the last counts padding and
+        # empty slots), from the whole EP group's routing; the runner reads it every few steps
+        # (engine/runner/expert_load.py). None: not counted.
+        self.load_counts: torch.Tensor | None = None
 
     # ---- weights and loading ------------------------------------------------------------------------
     def set_quant_scheme(self, scheme: QuantScheme | None) -> None:
@@ -368,15 +359,21 @@ class FusedMoE(nn.Module):
         return op(x, w13, w2, weights, ids)
 
     def count_expert_load(self, enabled: bool = True) -> None:
-        self.load = ExpertLoad(self.num_experts) if enabled else None
+        self.load_counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=self.w13.device) \
+            if enabled else None
 
     # ---- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`expert_ids` [T, k]: experts chosen outside the router (hash routing), weighted by the router."""
+        step = current_moe_step()
         if self.expert_parallel:
-            out = self._forward_expert_parallel(x, expert_ids)
+            out = self._forward_expert_parallel(x, expert_ids, step)
         else:  # a partial sum over this rank's slice of every expert
-            out = self._experts(x, *self._route(x, expert_ids))
+            weights, ids = self._route(x, expert_ids)
+            valid = step.valid_tokens if step is not None else None
+            if valid is not None or self.load_counts is not None:  # every rank routes every token: counts all
+                weights, ids = ops.moe_route_mask(weights, ids, 0, valid, self.load_counts)
+            out = self._experts(x, weights, ids)
         if self.shared_experts is not None:
             # Built with an unreduced row-parallel down projection: a partial sum too.
             shared = self.shared_experts(x)
@@ -390,49 +387,53 @@ class FusedMoE(nn.Module):
         return out
 
     def _route(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, ids = self.gate.route(x, self.router, expert_ids)
-        if self.load is not None:
-            self.load.add(ids)
-        return weights, ids
+        return self.gate.route(x, self.router, expert_ids)
 
-    def _forward_expert_parallel(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
-        exchange = self._exchange(x.dtype)
+    def _forward_expert_parallel(self, x: torch.Tensor, expert_ids: torch.Tensor | None,
+                                 step: MoEStep | None) -> torch.Tensor:
+        """Every EP rank sends a chunk of `rows` tokens, the same count on every rank (the step's padded
+        token count over the TP ranks of a DP rank, which hold the same tokens and send a slice each), so
+        that the exchange's shapes depend on the step only. Rows past the real tokens route nowhere."""
         num_tokens = x.shape[0]
-        x_part, ids_part = x, expert_ids
-        if self.tp_size > 1:  # the TP ranks hold the same tokens: each routes and sends a slice, then all gather
-            per_rank = -(-num_tokens // self.tp_size)
-            start = min(self.tp_rank * per_rank, num_tokens)
-            x_part = x[start:min(start + per_rank, num_tokens)]
-            if expert_ids is not None:
-                ids_part = expert_ids[start:min(start + per_rank, num_tokens)]
-        sent = exchange.dispatch(x_part, *self._route(x_part, ids_part))
-        weights, ids = sent.weights, sent.local_ids
-        if ids.dim() == 1:  # a row per (token, expert) pair; MORI's rows carry a token's k slots
-            weights, ids = weights[:, None], ids[:, None]
-        expert_out = self._experts(sent.hidden, weights, ids)
-        out = exchange.combine(expert_out, sent.handle)
+        padded = -(-max(step.padded_tokens if step is not None else 0, num_tokens) // self.tp_size) * self.tp_size
+        rows = padded // self.tp_size
+        first = self.tp_rank * rows
+        chunk = _rows(x, first, rows)
+        ids_chunk = None if expert_ids is None else _rows(expert_ids, first, rows, fill=0)
+        valid = num_tokens if step is None or step.valid_tokens is None else step.valid_tokens
+        weights, ids = ops.moe_route_mask(*self._route(chunk, ids_chunk), first, valid)
+        exchange = self._exchange(x.dtype)
+        sent = exchange.dispatch(chunk, weights, ids, self.load_counts)
+        out = exchange.combine(self._experts(sent.hidden, sent.weights, sent.local_ids), sent.handle)
         if self.tp_size > 1:
-            padded = torch.zeros(per_rank, out.shape[1], dtype=out.dtype, device=out.device)
-            padded[:out.shape[0]] = out
-            out = tensor_parallel_all_gather(padded, dim=0)[:num_tokens]
-        return out
+            out = tensor_parallel_all_gather(out, dim=0)
+        return out if padded == num_tokens else out[:num_tokens]
 
-    def _exchange(self, dtype: torch.dtype):
+    def _exchange(self, dtype: torch.dtype) -> ExpertAllToAll:
         if self._all_to_all is None:
             state = get_parallel_state()
             device = self.w13.device
-            owner = torch.empty(self.num_experts, dtype=torch.int64)
-            local_index = torch.empty(self.num_experts, dtype=torch.int64)
-            for rank in range(self.ep_size):
-                start, count = shard_range(self.num_experts, self.ep_size, rank)
-                owner[start:start + count] = rank
-                local_index[start:start + count] = torch.arange(count)
+            placement = ExpertPlacement(tuple(shard_range(self.num_experts, self.ep_size, rank)
+                                              for rank in range(self.ep_size)), self.ep_rank)
             layout = ExchangeLayout(self.num_experts, self.hidden_size, self.router.top_k,
                                     -(-state.max_num_batched_tokens // self.tp_size), dtype)
-            self._all_to_all = make_all_to_all(state.ep_group, owner.to(device), local_index.to(device),
+            self._all_to_all = make_all_to_all(state.ep_group, placement,
                                                host_collectives=state.host_collectives or device.type == "cpu",
-                                               layout=layout)
+                                               form=state.expert_exchange, layout=layout, device=device,
+                                               small_all_reduce=state.ep_small_all_reduce)
         return self._all_to_all
+
+
+def _rows(x: torch.Tensor, first: int, count: int, fill: float | None = None) -> torch.Tensor:
+    """Rows [first, first + count) of `x`, padded past its end (with `fill`, else left uninitialised: padding
+    rows are routed nowhere, so nothing reads them)."""
+    if first + count <= x.shape[0]:
+        return x[first:first + count]
+    out = x.new_empty((count, *x.shape[1:])) if fill is None else x.new_full((count, *x.shape[1:]), fill)
+    have = max(0, x.shape[0] - first)
+    if have:
+        out[:have] = x[first:first + have]
+    return out
 
 
 def _check_shape(tensor: torch.Tensor, expected: tuple, what: str) -> None:

@@ -19,7 +19,7 @@ from engine.kernels.quant import MXFP4_GROUP, QuantizedWeight, QuantScheme
 from engine.kernels.registry import prepare_quantized
 from engine.layers.quantization import (aligned_narrow, building_linear_scheme, new_param,
                                         requantize_to_max_scale, unit_size)
-from engine.parallel import get_parallel_state, tensor_parallel_all_reduce
+from engine.parallel import PartialSum, get_parallel_state, tensor_parallel_all_reduce
 
 
 def shard_range(total: int, num_shards: int, index: int) -> tuple[int, int]:
@@ -245,10 +245,15 @@ class RowParallelLinear(LinearBase):
         super().__init__(size, output_size, bias, tp_dim=1, shard_start=start)
         self.reduce_results = reduce_results
         self.sum_in_fp32 = reduce_results and state.reduce_in_fp32  # fixed for the process, like tp_size
+        # Set by a layer whose consumer is an RMSNorm with a residual: the output is a PartialSum, reduced by
+        # the norm together with its add (tensor_parallel_all_reduce_add_norm).
+        self.reduce_in_norm = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
         if self.tp_size == 1:
             return self._gemm(x, self.bias)
+        if self.reduce_in_norm and self.reduce_results and self.bias is None:
+            return PartialSum(self._gemm(x, None, torch.float32 if self.sum_in_fp32 else None))
         if self.sum_in_fp32:
             y = tensor_parallel_all_reduce(self._gemm(x, None, torch.float32))
         else:

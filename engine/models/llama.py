@@ -104,6 +104,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Both blocks' outputs go to an RMSNorm with the residual (this layer's, the next layer's or the
+        # model's final one), which reduces their row-parallel sums in the same kernel.
+        for block, name in ((self_attn, "o_proj"), (mlp, "down_proj")):
+            projection = getattr(block, name, None)
+            if isinstance(projection, RowParallelLinear):
+                projection.reduce_in_norm = True
 
     def forward(self, positions, hidden_states, residual):
         if residual is None:  # the first layer: the stream starts at the embedding

@@ -5,12 +5,16 @@ from engine.parallel.state import (
     get_parallel_state,
     init_parallel,
     destroy_parallel,
-    dp_vote,
+    dp_agree,
+    PartialSum,
+    enable_fused_all_reduce_norm,
+    tensor_parallel_all_reduce_add_norm,
     tensor_parallel_all_gather,
     tensor_parallel_all_reduce,
 )
 
 __all__ = [
-    "ParallelState", "get_parallel_state", "init_parallel", "destroy_parallel", "dp_vote",
+    "ParallelState", "get_parallel_state", "init_parallel", "destroy_parallel", "dp_agree", "PartialSum",
+    "enable_fused_all_reduce_norm", "tensor_parallel_all_reduce_add_norm",
     "tensor_parallel_all_gather", "tensor_parallel_all_reduce",
 ]

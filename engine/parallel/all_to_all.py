@@ -1,13 +1,24 @@
-"""Expert-parallel token exchange: each rank sends every (token, expert) pair to the rank that holds the
-expert, the experts run there, and the results come back to the token's rank to be summed.
+"""Expert-parallel token exchange: each rank's tokens reach the ranks that hold their experts, the experts
+run there, and the results come back to the token's rank, summed.
+
+Every buffer's shape depends only on the step's padded token count (the largest DP rank's tokens in this
+step, agreed once per step and rounded up to a CUDA-graph bucket; see engine/forward_context.py), never on
+how many tokens chose which expert: no split sizes travel, nothing reaches the host inside the forward
+pass, and an EP decode step is captured in a CUDA graph like a one-GPU step. Each rank sends a chunk of
+`rows` tokens (its share of the padded count); padding rows and slots for no expert carry id -1, weight 0.
 
 `ExpertAllToAll` is the interface a MoE layer calls; `make_all_to_all` picks the implementation:
-- `TorchAllToAll`: `torch.distributed.all_to_all_single` over the EP group (NCCL on GPUs, gloo on CPU), one
-  row per (token, expert) pair. Split sizes are data-dependent (they travel first, and reach the host), so a
-  step with expert parallelism is not CUDA-graph capturable; the runner runs such models eagerly.
-- `MoriAllToAll` (engine/parallel/mori_all_to_all.py): AMD's MORI dispatch/combine kernels, one row per
-  (token, destination rank) with the token's top-k ids, on the GPUs of one ROCm node; chosen with the
-  `aiter` kernel backend where MORI is installed and the layer's layout fits it.
+- `GatherScatterExchange` (vLLM's allgather-reducescatter): every rank all-gathers the group's hidden
+  states with their top-k ids and weights, runs its own experts on the pairs that chose them, and a
+  reduce-scatter sums the partial outputs back to each token's rank. The form for decode-sized steps.
+- `PaddedAllToAll`: each token goes once to each rank holding one of its experts (with its k slots, those
+  for other ranks' experts marked -1), through an all-to-all with a fixed capacity of `rows` per
+  destination (a token goes at most once to a rank, so nothing can overflow), and comes back the same way.
+  The capacity is what a worst-case routing needs: its bytes equal the all-gather's, its expert work too.
+- `StepExchange`: one of the two per step, chosen from the (static) chunk size, logged once per form.
+- `MoriAllToAll` (engine/parallel/mori_all_to_all.py): AMD's MORI dispatch/combine kernels on the GPUs of
+  one ROCm node; chosen with the `aiter` kernel backend where MORI is installed and the layout fits it.
+  Its kernels keep device-side counts of their own, so a MORI step runs eagerly (`capturable` False).
 """
 from __future__ import annotations
 
@@ -18,19 +29,25 @@ import torch
 import torch.distributed as dist
 
 from engine import kernels
+from engine.config import EXPERT_EXCHANGES
+from engine.kernels import ops
+from engine.kernels.torch import moe as torch_moe
 
 logger = logging.getLogger(__name__)
+
+# "auto": steps of up to this many tokens per rank take the all-gather form; larger ones PREFILL_FORM.
+DECODE_ROWS = 512
+PREFILL_FORM = "allgather"  # docs/BENCHMARKS.md, issue 26: the two forms at prefill sizes on 2x H200
 
 
 @dataclass
 class Dispatched:
-    """What one rank received: rows of hidden states, each with the local indices of the experts it is for
-    and their routing weights; `handle` is what `combine` needs to send the results back. A row carries one
-    expert ([R], TorchAllToAll) or a token's k slots ([R, k], MoriAllToAll), where -1 (weight 0) marks a slot
-    for another rank's expert or a row past what was received."""
+    """What one rank received: rows of hidden states, each with a token's k slots as local expert indices
+    (-1: another rank's expert, padding or nothing) and their routing weights; `handle` is what `combine`
+    needs to send the results back."""
     hidden: torch.Tensor        # [R, H]
-    local_ids: torch.Tensor     # [R] or [R, k] int32, index into this rank's experts, -1 = none
-    weights: torch.Tensor       # [R] or [R, k] float32
+    local_ids: torch.Tensor     # [R, k] int32, index into this rank's experts, -1 = none
+    weights: torch.Tensor       # [R, k] float32, 0 where local_ids is -1
     handle: tuple
 
 
@@ -45,76 +62,232 @@ class ExchangeLayout:
     dtype: torch.dtype          # of the hidden states sent
 
 
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which EP rank holds which experts: `ranges[r]` = (first expert, count) of rank r; this is `rank`."""
+    ranges: tuple[tuple[int, int], ...]
+    rank: int
+
+    @property
+    def ranks(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def local(self) -> tuple[int, int]:
+        return self.ranges[self.rank]
+
+    def owners(self, device) -> torch.Tensor:
+        """int64 [E]: the rank holding each expert."""
+        return torch.cat([torch.full((count,), rank, dtype=torch.int64)
+                          for rank, (_, count) in enumerate(self.ranges)]).to(device)
+
+
 class ExpertAllToAll:
-    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
+    capturable = True  # whether a step through it can be captured in a CUDA graph
+
+    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 counts: torch.Tensor | None = None) -> Dispatched:
+        """`hidden` [rows, H] with the global expert ids [rows, k] (-1: none) and weights chosen for them.
+        `counts` [E + 1] int64: += the pairs that every rank of the group routed to each expert (the
+        expert-load counters; index E collects id -1)."""
         raise NotImplementedError
 
     def combine(self, expert_out: torch.Tensor, handle: tuple) -> torch.Tensor:
+        """[rows, H]: each of this rank's tokens summed over the ranks its experts ran on."""
         raise NotImplementedError
 
 
-class TorchAllToAll(ExpertAllToAll):
-    """`owner[e]` is the EP rank holding global expert e, `local_index[e]` its index there."""
+def count_over_group(counts: torch.Tensor, ids: torch.Tensor, all_reduce) -> None:
+    """counts += the group's pairs per expert, from this rank's `ids` and a sum over the group."""
+    mine = torch.zeros_like(counts)
+    torch_moe.add_counts(mine, ids)
+    counts += all_reduce(mine)
 
-    def __init__(self, group, owner: torch.Tensor, local_index: torch.Tensor, host_collectives: bool) -> None:
+
+# torch 2.13 renamed the single-tensor forms (the old names warn); the GPU hosts' torch 2.11 has the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Collectives:
+    """The group's collectives, through host memory where the ranks share a GPU or run on CPU (gloo)."""
+
+    def __init__(self, group, host_collectives: bool) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
-        self.owner, self.local_index = owner, local_index
-        self.host_collectives = host_collectives  # gloo: tensors travel through host memory
+        self.host = host_collectives
 
-    def _exchange(self, tensor: torch.Tensor, recv_rows: int, recv_splits: list[int], send_splits: list[int]):
-        device = tensor.device
-        if self.host_collectives:
-            tensor = tensor.cpu()
-        out = torch.empty((recv_rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        dist.all_to_all_single(out, tensor.contiguous(), recv_splits, send_splits, group=self.group)
-        return out.to(device)
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.contiguous().cpu() if self.host else tensor.contiguous()
 
-    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
-        num_tokens, top_k = ids.shape
-        flat_ids = ids.reshape(-1).long()
-        destination = self.owner[flat_ids]
-        order = torch.argsort(destination, stable=True)
-        token_of_pair = torch.arange(num_tokens, device=hidden.device).repeat_interleave(top_k)[order]
-        send_counts = torch.zeros(self.world, dtype=torch.int64, device=hidden.device)
-        send_counts.scatter_add_(0, destination, torch.ones_like(destination))
-        if self.host_collectives:
-            send_counts = send_counts.cpu()
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # to the host: a sync on GPUs
-        recv_rows = sum(recv_splits)
-        rows = self._exchange(hidden[token_of_pair], recv_rows, recv_splits, send_splits)
-        # Weight and local expert index travel together as float32 (indices are exact below 2**24).
-        meta = torch.stack((weights.reshape(-1).float()[order], self.local_index[flat_ids[order]].float()), dim=1)
-        meta = self._exchange(meta, recv_rows, recv_splits, send_splits)
-        return Dispatched(rows, meta[:, 1].to(torch.int32), meta[:, 0],
-                          (token_of_pair, num_tokens, send_splits, recv_splits))
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = self._to_host(tensor)
+        out = local.new_empty((self.world * local.shape[0], *local.shape[1:]))
+        _all_gather_single(out, local, group=self.group)
+        return out.to(tensor.device)
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = self._to_host(tensor)
+        out = local.new_empty((local.shape[0] // self.world, *local.shape[1:]))
+        _reduce_scatter_single(out, local, group=self.group)
+        return out.to(tensor.device)
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Equal splits: the i-th of `world` equal parts of the first dimension goes to rank i."""
+        local = self._to_host(tensor)
+        out = torch.empty_like(local)
+        dist.all_to_all_single(out, local, group=self.group)
+        return out.to(tensor.device)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = self._to_host(tensor)
+        dist.all_reduce(local, group=self.group)
+        return local.to(tensor.device)
+
+
+def _pack_routing(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 [rows, 2k]: ids (exact in float32 below 2**24) then weights, so that both travel together."""
+    return torch.cat((ids.float(), weights.float()), dim=1)
+
+
+class GatherScatterExchange(ExpertAllToAll):
+    """All-gather the group's tokens and routing; reduce-scatter the partial expert outputs.
+
+    Where the group has the one-shot symmetric-memory all-reduce (engine/parallel/symmetric_all_reduce.py:
+    CUDA GPUs that map each other's memory) and a decode step's buffers fit it, both collectives are
+    one-shot all-reduces, a few microseconds each against NCCL's tens at these sizes: the gather sums
+    float32 buffers in which each rank filled only its own rows (x + 0 is exact), the scatter sums the
+    partial outputs and keeps this rank's rows. Otherwise NCCL's all-gather and reduce-scatter."""
+
+    def __init__(self, group, placement: ExpertPlacement, host_collectives: bool, small_all_reduce=None) -> None:
+        self.net = _Collectives(group, host_collectives)
+        self.rank = placement.rank
+        self.expert_start, self.num_local_experts = placement.local
+        self.small = small_all_reduce
+
+    def _one_shot(self, rows: int, hidden: torch.Tensor, top_k: int) -> bool:
+        """Whether both of a step's collectives fit the one-shot all-reduce (the same answer on every rank)."""
+        if self.small is None:
+            return False
+        everyone = self.net.world * rows
+        return everyone * (hidden.shape[1] + 2 * top_k) * 4 <= self.small.max_bytes and \
+            everyone * hidden.shape[1] * hidden.element_size() <= self.small.max_bytes
+
+    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 counts: torch.Tensor | None = None) -> Dispatched:
+        rows, width = hidden.shape
+        routing = _pack_routing(ids, weights)
+        if self._one_shot(rows, hidden, ids.shape[1]):
+            mine = hidden.new_zeros((self.net.world * rows, width + routing.shape[1]), dtype=torch.float32)
+            own = mine[self.rank * rows:(self.rank + 1) * rows]
+            own[:, :width] = hidden
+            own[:, width:] = routing
+            gathered = self.small(mine)
+            all_hidden, all_routing, handle = gathered[:, :width].to(hidden.dtype), gathered[:, width:], (True, rows)
+        else:
+            all_hidden, all_routing, handle = self.net.all_gather(hidden), self.net.all_gather(routing), (False, rows)
+        local_ids, local_weights = ops.moe_local_slots(all_routing, self.expert_start, self.num_local_experts,
+                                                       counts)
+        return Dispatched(all_hidden, local_ids, local_weights, handle)
 
     def combine(self, expert_out: torch.Tensor, handle: tuple) -> torch.Tensor:
-        token_of_pair, num_tokens, send_splits, recv_splits = handle
-        back = self._exchange(expert_out, sum(send_splits), send_splits, recv_splits)
-        out = torch.zeros(num_tokens, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-        out.index_add_(0, token_of_pair, back.float())
-        return out.to(expert_out.dtype)
+        one_shot, rows = handle
+        if one_shot:
+            return self.small(expert_out.contiguous())[self.rank * rows:(self.rank + 1) * rows]
+        return self.net.reduce_scatter(expert_out)
 
 
-def make_all_to_all(group, owner: torch.Tensor, local_index: torch.Tensor, host_collectives: bool,
-                    backend: str = "auto", layout: ExchangeLayout | None = None) -> ExpertAllToAll:
-    """The EP exchange for a MoE layer. backend "auto" takes MORI when the `aiter` kernel backend is active,
+class PaddedAllToAll(ExpertAllToAll):
+    """Send buffer [ranks, rows]: destination r's part holds, from its front, the tokens with an expert on r."""
+
+    def __init__(self, group, placement: ExpertPlacement, host_collectives: bool, device) -> None:
+        self.net = _Collectives(group, host_collectives)
+        self.ranks = placement.ranks
+        self.owner = placement.owners(device)
+        self.expert_start, self.num_local_experts = placement.local
+
+    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 counts: torch.Tensor | None = None) -> Dispatched:
+        if counts is not None:
+            count_over_group(counts, ids, self.net.all_reduce)
+        rows, top_k = ids.shape
+        destination = torch.where(ids >= 0, self.owner[ids.long().clamp(min=0)], -1)  # [rows, k]
+        ranks = torch.arange(self.ranks, device=ids.device)
+        for_rank = destination[:, None, :] == ranks[None, :, None]  # [rows, ranks, k]
+        sent = for_rank.any(dim=2)  # [rows, ranks]: the token goes to rank r
+        # Its row in the send buffer: destination r's part, in token order from the part's front; a token
+        # that does not go to r is placed on the spare last row, which is not sent.
+        place = torch.where(sent, torch.cumsum(sent.long(), dim=0) - 1 + ranks * rows, self.ranks * rows)
+        send = hidden.new_zeros((self.ranks * rows + 1, hidden.shape[1]))
+        routing = torch.zeros((self.ranks * rows + 1, 2 * top_k), dtype=torch.float32, device=ids.device)
+        routing[:, :top_k] = -1.0
+        for rank in range(self.ranks):  # each destination's copy keeps the slots of its own experts only
+            mine = for_rank[:, rank]
+            send.index_copy_(0, place[:, rank], hidden)
+            routing.index_copy_(0, place[:, rank], _pack_routing(torch.where(mine, ids, -1),
+                                                                 torch.where(mine, weights.float(), 0.0)))
+        received = self.net.all_to_all(send[:-1])
+        local_ids, local_weights = ops.moe_local_slots(self.net.all_to_all(routing[:-1]), self.expert_start,
+                                                       self.num_local_experts)
+        return Dispatched(received, local_ids, local_weights, (sent, place))
+
+    def combine(self, expert_out: torch.Tensor, handle: tuple) -> torch.Tensor:
+        sent, place = handle
+        back = self.net.all_to_all(expert_out)
+        back = torch.cat((back, back.new_zeros((1, back.shape[1]))))  # the spare row
+        parts = back[place.reshape(-1)].view(*place.shape, -1).float()  # [rows, ranks, H]
+        return torch.where(sent[:, :, None], parts, 0.0).sum(dim=1).to(expert_out.dtype)
+
+
+class StepExchange(ExpertAllToAll):
+    """The all-gather form up to `decode_rows` tokens per rank, `large` above: every rank sees the same
+    (padded) chunk size, so every rank takes the same form for the same layer call."""
+
+    def __init__(self, small: ExpertAllToAll, large: ExpertAllToAll, decode_rows: int, names: tuple[str, str]):
+        self.small, self.large, self.decode_rows, self.names = small, large, decode_rows, names
+
+    def _form(self, rows: int) -> ExpertAllToAll:
+        small = rows <= self.decode_rows
+        _log_once(f"expert exchange: {self.names[0 if small else 1]} form for steps of "
+                  f"{'up to' if small else 'more than'} {self.decode_rows} tokens per EP rank")
+        return self.small if small else self.large
+
+    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 counts: torch.Tensor | None = None) -> Dispatched:
+        form = self._form(hidden.shape[0])
+        sent = form.dispatch(hidden, weights, ids, counts)
+        sent.handle = (form, sent.handle)
+        return sent
+
+    def combine(self, expert_out: torch.Tensor, handle: tuple) -> torch.Tensor:
+        form, inner = handle
+        return form.combine(expert_out, inner)
+
+
+def make_all_to_all(group, placement: ExpertPlacement, host_collectives: bool, form: str = "auto",
+                    layout: ExchangeLayout | None = None, device=None, small_all_reduce=None) -> ExpertAllToAll:
+    """The EP exchange for a MoE layer. `form` "auto" takes MORI when the `aiter` kernel backend is active,
     `import mori` works and `layout` fits MORI's kernels (engine/parallel/mori_all_to_all.py says what
-    fits), "mori" takes it wherever it fits; otherwise, and for "torch", torch.distributed. Why MORI was not
-    taken is logged once per reason."""
-    if backend not in ("auto", "torch", "mori"):
-        raise ValueError(f"expert all-to-all backend {backend!r} is unknown; use 'auto', 'torch' or 'mori'")
-    if backend != "torch":
-        if backend == "mori" or kernels.active_backend().name == "aiter":
-            from engine.parallel import mori_all_to_all
-            problem = mori_all_to_all.unsuitable(group, layout, host_collectives)
-            if problem is None:
-                return mori_all_to_all.MoriAllToAll(group, layout)
-            _log_once(f"expert all-to-all: MORI not used, torch.distributed instead: {problem}")
-    return TorchAllToAll(group, owner, local_index, host_collectives)
+    fits), otherwise the all-gather form for decode-sized steps and PREFILL_FORM above; "mori" takes MORI
+    wherever it fits (else as "auto"); "allgather" and "all_to_all" take that form for every step. Why
+    MORI was not taken is logged once per reason."""
+    if form not in EXPERT_EXCHANGES:
+        raise ValueError(f"expert exchange {form!r} is unknown; use one of {EXPERT_EXCHANGES}")
+    if form == "mori" or form == "auto" and kernels.active_backend().name == "aiter":
+        from engine.parallel import mori_all_to_all
+        problem = mori_all_to_all.unsuitable(group, layout, host_collectives)
+        if problem is None:
+            return mori_all_to_all.MoriAllToAll(group, layout)
+        _log_once(f"expert exchange: MORI not used, torch.distributed instead: {problem}")
+    gather = GatherScatterExchange(group, placement, host_collectives, small_all_reduce)
+    if form == "allgather":
+        return gather
+    padded = PaddedAllToAll(group, placement, host_collectives, device)
+    if form == "all_to_all":
+        return padded
+    if PREFILL_FORM == "allgather":
+        return gather
+    return StepExchange(gather, padded, DECODE_ROWS, ("all-gather", "padded all-to-all"))
 
 
 _logged: set[str] = set()

@@ -28,7 +28,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from engine.parallel.all_to_all import Dispatched, ExchangeLayout, ExpertAllToAll
+from engine.parallel.all_to_all import Dispatched, ExchangeLayout, ExpertAllToAll, count_over_group
 
 SHMEM_GROUP_NAME = "atom_ray_ep"
 MAX_RANKS = 8  # the IntraNode kernel's MAX_GPUS_PER_NODE
@@ -119,13 +119,19 @@ def _op(group, layout: ExchangeLayout):
 class MoriAllToAll(ExpertAllToAll):
     """Rank r holds experts [r E/n, (r+1) E/n) (equal shares, as `unsuitable` requires)."""
 
+    capturable = False  # its kernels keep device-side counts of their own (and were never run in a graph)
+
     def __init__(self, group, layout: ExchangeLayout) -> None:
+        self.group = group
         self.op = _op(group, layout)
         self.num_local_experts = layout.num_experts // dist.get_world_size(group)
         self.expert_start = dist.get_rank(group) * self.num_local_experts
         self.max_tokens_per_rank = layout.max_tokens_per_rank
 
-    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 counts: torch.Tensor | None = None) -> Dispatched:
+        if counts is not None:
+            count_over_group(counts, ids, self._all_reduce)
         num_tokens = hidden.shape[0]
         assert num_tokens <= self.max_tokens_per_rank, (
             f"{num_tokens} tokens exceed MORI's buffers of {self.max_tokens_per_rank} per rank")
@@ -137,6 +143,10 @@ class MoriAllToAll(ExpertAllToAll):
         mine = received & (local >= 0) & (local < self.num_local_experts)
         return Dispatched(rows, torch.where(mine, local, -1), torch.where(mine, recv_weights, 0.0),
                           (ids, num_tokens, hidden.dtype))
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
 
     def combine(self, expert_out: torch.Tensor, handle: tuple) -> torch.Tensor:
         ids, num_tokens, dtype = handle

@@ -40,7 +40,12 @@ class ParallelState:
     ep_size: int = 1
     ep_group: object | None = None  # the device group of all EP ranks (None: no expert parallelism)
     dp_leaders_group: object | None = None  # gloo group of every DP rank's TP rank 0 (the lockstep vote)
-    max_num_batched_tokens: int = 0  # the most tokens of a step (EP exchanges size buffers by it; 0: unknown)
+    max_num_batched_tokens: int = 0  # the most tokens of a step (MORI sizes its buffers by it; 0: unknown)
+    expert_exchange: str = "auto"  # the EP exchange's form (engine.parallel.all_to_all.make_all_to_all)
+    ep_small_all_reduce: object | None = None  # SymmetricAllReduce over the EP group (decode-sized exchanges)
+    # AllReduceAddNorm (engine/parallel/fused_all_reduce_norm.py): a row-parallel sum, the residual add and
+    # RMSNorm after it in one kernel, where `enable_fused_all_reduce_norm` could set it up.
+    all_reduce_add_norm: object | None = None
 
     @property
     def expert_parallel(self) -> bool:
@@ -56,7 +61,8 @@ def get_parallel_state() -> ParallelState:
 
 def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device,
                   timeout_s: float = 600.0, reduce_in_fp32: bool = True, dp_rank: int = 0, dp_size: int = 1,
-                  expert_parallel: bool = False, max_num_batched_tokens: int = 0) -> ParallelState:
+                  expert_parallel: bool = False, max_num_batched_tokens: int = 0,
+                  expert_exchange: str = "auto") -> ParallelState:
     """Join the groups of this rank rendezvousing at `init_method` (e.g. tcp://127.0.0.1:29500): the
     tensor-parallel group of `tp_size` ranks and, with `expert_parallel`, the EP group of all
     dp_size x tp_size ranks (this rank is number dp_rank * tp_size + tp_rank of it). `reduce_in_fp32`: see
@@ -64,7 +70,7 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     global _state
     world_size = dp_size * tp_size if expert_parallel else tp_size
     if world_size == 1:
-        _state = ParallelState(dp_rank=dp_rank, dp_size=dp_size)
+        _state = ParallelState(dp_rank=dp_rank, dp_size=dp_size, expert_exchange=expert_exchange)
         return _state
     import datetime
     import os
@@ -90,7 +96,7 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     leaders = dist.new_group([dp * tp_size for dp in range(dp_size)], backend="gloo") if expert_parallel else None
     extra = dict(dp_rank=dp_rank, dp_size=dp_size, ep_rank=rank if expert_parallel else 0,
                  ep_size=world_size if expert_parallel else 1, dp_leaders_group=leaders,
-                 max_num_batched_tokens=max_num_batched_tokens)
+                 max_num_batched_tokens=max_num_batched_tokens, expert_exchange=expert_exchange)
     if backend == "nccl":
         devices: list = [None] * world_size
         dist.all_gather_object(devices, device_identity(device), group=world_cpu_group)
@@ -103,11 +109,14 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
                                    ranks_on_device, host_collectives=True,
                                    ep_group=world_cpu_group if expert_parallel else None, **extra)
             return _state
-    small_all_reduce = None
-    if backend == "nccl" and tp_size > 1 and world_size == tp_size:  # symmetric memory over the whole world
-        small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device)
+    small_all_reduce = ep_small_all_reduce = None
+    if backend == "nccl" and (tp_size > 1 and world_size == tp_size or expert_parallel):
+        # Symmetric memory over the whole world: the TP group's where it is the world, the EP group's.
+        ep_small_all_reduce = SymmetricAllReduce.create(dist.group.WORLD, device)
+        small_all_reduce = ep_small_all_reduce if world_size == tp_size else None
     _state = ParallelState(tp_rank, tp_size, tp_group, tp_cpu_group, small_all_reduce, reduce_in_fp32,
-                           ep_group=dist.group.WORLD if expert_parallel else None, **extra)
+                           ep_group=dist.group.WORLD if expert_parallel else None,
+                           ep_small_all_reduce=ep_small_all_reduce if expert_parallel else None, **extra)
     return _state
 
 
@@ -127,10 +136,17 @@ def device_identity(device: torch.device) -> str:
     return f"{props.pci_domain_id}:{props.pci_bus_id}:{props.pci_device_id}"
 
 
-def destroy_parallel() -> None:
+def destroy_parallel(abort: bool = False) -> None:
+    """Leave every group. `abort`: NCCL communicators are aborted rather than destroyed (a destroy waits
+    for every rank's and was seen to hang at TP=2 with expert parallelism on two H200s); for processes that
+    are about to end."""
     global _state
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if abort and dist.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+            _abort_process_group()
+        else:
+            dist.destroy_process_group()
     _state = ParallelState()
 
 
@@ -148,15 +164,46 @@ def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def dp_vote(value: int) -> int:
-    """The largest `value` of all DP ranks: the lockstep vote that every DP rank's TP rank 0 casts at the
-    same point of its step loop when their MoE layers exchange tokens (see EngineLoop). Without lockstep
-    DP, this rank's own value."""
+def enable_fused_all_reduce_norm(hidden_size: int, device: torch.device) -> None:
+    """A collective call on every TP rank (once the model is built): set up the fused all-reduce + residual
+    add + RMSNorm where the one-shot all-reduce runs (CUDA GPUs that map each other's memory, the TP group
+    being the whole world)."""
+    if _state.tp_size == 1 or _state.small_all_reduce is None or _state.all_reduce_add_norm is not None:
+        return
+    from engine.parallel.fused_all_reduce_norm import AllReduceAddNorm
+    _state.all_reduce_add_norm = AllReduceAddNorm.create(_state.device_group, device, hidden_size)
+
+
+class PartialSum:
+    """A row-parallel layer's output left unreduced for its consumer, an RMSNorm, to reduce together with
+    its residual add (`tensor_parallel_all_reduce_add_norm`)."""
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def tensor_parallel_all_reduce_add_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm(sum over the TP group of partial, residual, weight, eps)`: one kernel where the
+    fused all-reduce serves this size, else the all-reduce and then the norm kernel."""
+    fused = _state.all_reduce_add_norm
+    if fused is not None and fused.fits(partial):
+        return fused(partial, residual, weight, eps)
+    from engine.kernels import ops
+    return ops.fused_add_rms_norm(tensor_parallel_all_reduce(partial), residual, weight, eps)
+
+
+def dp_agree(values: list[int]) -> list[int]:
+    """The element-wise largest of `values` over all DP ranks: the per-step agreement that every DP rank's TP
+    rank 0 makes at the same point of its step loop when their MoE layers exchange tokens (engine/lockstep.py).
+    One all-reduce of a few integers over the leaders' gloo group, on the host: it overlaps the device's
+    work on the step launched before. Without lockstep DP, this rank's own values."""
     if _state.dp_leaders_group is None:
-        return value
-    vote = torch.tensor([value], dtype=torch.int32)
+        return list(values)
+    vote = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_state.dp_leaders_group)
-    return int(vote.item())
+    return vote.tolist()
 
 
 def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

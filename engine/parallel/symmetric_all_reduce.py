@@ -24,6 +24,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 1024 * 1024
 
 
+def every_rank_agrees(ok: bool, reason: str, group, device: torch.device, unavailable: str) -> bool:
+    """Whether every rank of `group` could set a kernel up (a collective call): every rank must take the same
+    path, or their collectives would not match. Logs `unavailable` with this rank's reason otherwise."""
+    agreed = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if agreed.item():
+        return True
+    logger.warning("%s%s", unavailable, f": {reason}" if reason else " (another rank could not set it up)")
+    return False
+
+
 class SymmetricAllReduce:
     def __init__(self, buffer: torch.Tensor, group_name: str, max_bytes: int) -> None:
         self.buffer = buffer  # uint8, mapped by every rank of the group
@@ -45,12 +56,8 @@ class SymmetricAllReduce:
             reducer._check(group, device)
         except Exception as exc:  # unsupported torch/driver, no peer access, ...: NCCL it is
             ok, reason = False, repr(exc)
-        # Every rank must take the same path, or their collectives would not match.
-        agreed = torch.tensor([1 if ok else 0], device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        if not agreed.item():
-            logger.warning("symmetric-memory all-reduce unavailable, using NCCL for every all-reduce%s",
-                           f": {reason}" if reason else " (another rank could not set it up)")
+        if not every_rank_agrees(ok, reason, group, device, "symmetric-memory all-reduce unavailable, using NCCL "
+                                                               "for every all-reduce"):
             return None
         logger.info("small all-reduces (<= %d KiB) use the one-shot symmetric-memory kernel", max_bytes // 1024)
         return reducer

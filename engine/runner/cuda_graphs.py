@@ -1,6 +1,9 @@
 """Decode CUDA graphs: the model's forward pass captured once per batch size over fixed-address input
 buffers. A decode-only step of B sequences pads to the smallest captured size >= B, copies its inputs into
-that size's buffers and replays; larger or mixed batches run eagerly.
+that size's buffers and replays; larger or mixed batches run eagerly. Under expert parallelism every rank
+of the EP group replays the same size (the largest rank's batch, padded: `padded_step_tokens`), an idle DP
+rank a batch of padding rows only (`run_dummy`); the graphs' MoE layers read how many rows are real from a
+device buffer, so padding rows reach no expert.
 
 Attention metadata is captured at the longest possible context (max_model_len), so backends that size
 launch grids from the context (split-K decode) bake in a grid that covers every later step; shorter
@@ -13,7 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from engine.forward_context import forward_context
+from engine.forward_context import MoEStep, forward_context
 from engine.kernels.attention import CommonAttentionMetadata
 from engine.kv_cache_spec import FULL_GROUP, CacheGroupMetadata
 from engine.runner.input_batch import HostInputs
@@ -32,6 +35,15 @@ def whole_table_rows(size: int, width: int, max_blocks: int) -> bool:
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
     return sorted({s for s in sizes if s <= max_num_seqs} | {min(max_num_seqs, 512)})
+
+
+def padded_step_tokens(num_tokens: int, sizes: list[int], multiple: int = 64) -> int:
+    """The token count a step's MoE exchanges pad `num_tokens` to: the smallest graph size that holds it,
+    else the next multiple of `multiple`."""
+    for size in sizes:
+        if size >= num_tokens:
+            return size
+    return -(-num_tokens // multiple) * multiple
 
 
 def pack_tokens(host: HostInputs | None, size: int) -> np.ndarray:
@@ -87,6 +99,8 @@ class DecodeGraphs:
         self.tables = {size: torch.from_numpy(pack_tables(None, size, self.max_blocks)).to(device)
                        for size in self.sizes}
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        self.valid_tokens = torch.zeros(1, dtype=torch.int64, device=device)  # real rows of the replayed batch
+        self._valid_value = 0  # what valid_tokens holds (filled only when it changes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -114,7 +128,8 @@ class DecodeGraphs:
         for batch in reversed(self.sizes):  # largest first: later graphs reuse its memory
             metadata = self._metadata(batch)
             input_ids, positions = self._views(batch)[:2]
-            with forward_context(metadata, self.block_size):
+            self._set_valid(batch)
+            with forward_context(metadata, self.block_size, MoEStep(batch, self.valid_tokens)):
                 self.model(input_ids, positions)  # warm-up: compile and tune
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -130,12 +145,12 @@ class DecodeGraphs:
                 return size
         return None
 
-    def run(self, host: HostInputs, last_sampled: torch.Tensor | None) -> torch.Tensor:
+    def run(self, host: HostInputs, last_sampled: torch.Tensor | None, size: int | None = None) -> torch.Tensor:
         """Hidden states [batch, hidden] of a decode-only step: its inputs in two copies into the padded size's
-        buffers, the input ids still on the device (`host.pending_rows` of `last_sampled`) filled in, then
-        the replay."""
+        buffers (`size`, at least the batch's), the input ids still on the device (`host.pending_rows` of
+        `last_sampled`) filled in, then the replay."""
         batch = len(host.requests)
-        size = self.padded_size(batch)
+        size = max(size or 0, self.padded_size(batch))
         self.tokens[size].copy_(torch.from_numpy(pack_tokens(host, size)).pin_memory(), non_blocking=True)
         width = host.block_table.shape[1]
         if whole_table_rows(size, width, self.max_blocks):
@@ -151,5 +166,19 @@ class DecodeGraphs:
             assert last_sampled is not None
             fill_pending(self.tokens[size][0, :batch], self.tokens[size][3, :batch], last_sampled,
                          len(host.pending_positions) == batch)
+        self._set_valid(batch)
         self.graphs[size].replay()
         return self.outputs[size][:batch]
+
+    def run_dummy(self, size: int) -> None:
+        """Replay `size`'s graph over padding rows only (an idle DP rank's lockstep step): they write no
+        cache entry, attend to one token of whatever block their table row names, and reach no expert."""
+        self.tokens[size].copy_(torch.from_numpy(pack_tokens(None, size)).pin_memory(), non_blocking=True)
+        self._views(size)[4].fill_(1)
+        self._set_valid(0)
+        self.graphs[size].replay()
+
+    def _set_valid(self, rows: int) -> None:
+        if rows != self._valid_value:
+            self.valid_tokens.fill_(rows)
+            self._valid_value = rows

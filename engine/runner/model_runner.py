@@ -15,15 +15,16 @@ import torch
 from engine import kernels
 from engine.config import ConfigError, EngineConfig
 from engine.core.scheduler_output import LogprobsLists, RunnerOutput, SchedulerOutput
-from engine.forward_context import forward_context
+from engine.forward_context import MoEStep, forward_context
 from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant
 from engine.kernels.sampling import step_seed
 from engine.kv_cache_spec import FULL_GROUP, CacheGroupMetadata, CacheLayout, PagedSpec, StateSpec
 from engine.layers.attention import Attention, KVCacheLayer
 from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
 from engine.loader import ModelSource, build_model
-from engine.parallel import get_parallel_state
-from engine.runner.cuda_graphs import DecodeGraphs
+from engine.parallel import enable_fused_all_reduce_norm, get_parallel_state
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_step_tokens
+from engine.runner.expert_load import ExpertLoadTracker
 from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
@@ -122,6 +123,9 @@ class ModelRunner:
         self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
         self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype,
                                  config.quantization)
+        if self.uses_cuda:  # every TP rank builds its runner at once: a collective set-up
+            text = getattr(source.hf_config, "text_config", None) or source.hf_config
+            enable_fused_all_reduce_norm(int(text.hidden_size), device)
         # Every layer with entries in the paged cache (MHA and MLA); each FP8 one owns its KV scales.
         self.cache_layers = [m for m in self.model.modules() if isinstance(m, KVCacheLayer)]
         self.attention_layers = [m for m in self.cache_layers if isinstance(m, Attention)]
@@ -143,6 +147,10 @@ class ModelRunner:
         self.state_tensors: list[torch.Tensor] = []
         self._group_keys = self.cache_group_keys() or [FULL_GROUP]
         self.graphs: DecodeGraphs | None = None
+        # The token counts MoE exchanges pad steps to (those of the decode graphs, captured or not: the same
+        # on every rank of the EP group, which share one configuration).
+        self.step_buckets = capture_sizes(config.max_num_seqs)
+        self.expert_load = self._expert_load_tracker()
         self._last_sampled: torch.Tensor | None = None  # device ids of the latest step, for pending tokens
         self._step = 0
         self._unresolved: deque[PendingOutput] = deque()  # launched steps whose ids are not recorded yet
@@ -220,7 +228,7 @@ class ModelRunner:
                                             [np.zeros((num_seqs, 1), np.int32)] * len(keys),
                                             [np.zeros(num_tokens, np.int64)] * len(keys), [-1] * num_seqs, keys)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        with forward_context(metadata, self.block_size):
+        with forward_context(metadata, self.block_size, MoEStep(padded_step_tokens(num_tokens, self.step_buckets))):
             hidden = self.model(input_ids, positions)
         self.model.compute_logits(hidden[torch.tensor(starts[1:], device=self.device) - 1])
         del hidden
@@ -261,9 +269,10 @@ class ModelRunner:
         if self.config.fp8_kv_cache:
             logger.info("KV cache: %s with %s scales", self.kv_cache_dtype, self.kv_scale_granularity)
         state = get_parallel_state()
-        if state.expert_parallel and self.uses_cuda and not self.config.enforce_eager:
-            logger.info("expert parallelism: decode steps run eagerly (the token exchange's split sizes are "
-                        "data-dependent, so it cannot be captured in a CUDA graph)")
+        uncapturable = self._uncapturable_exchanges() if state.expert_parallel else []
+        if uncapturable and self.uses_cuda and not self.config.enforce_eager:
+            logger.info("expert parallelism: decode steps run eagerly (the %s exchange keeps its own "
+                        "device-side counts and is not captured in CUDA graphs)", uncapturable[0])
         eager_layers = sorted({type(m).__name__ for m in self.cache_layers if not m.supports_cuda_graphs})
         if not eager_layers and (len(layout.groups) > 1 or layout.num_state_slots
                                  or layout.groups[0].key != FULL_GROUP):
@@ -275,7 +284,9 @@ class ModelRunner:
         if (self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs
                 and not eager_layers
                 and not state.host_collectives  # gloo's collectives cannot be captured
-                and not state.expert_parallel):
+                and not uncapturable):
+            # Every rank of an EP group captures the same sizes in the same order: their warm-up passes'
+            # exchanges match.
             graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size, self.max_model_len,
                                   self.config.max_num_seqs, self.device)
             try:
@@ -284,7 +295,26 @@ class ModelRunner:
             except RuntimeError as exc:  # e.g. a collective library that cannot be captured
                 logger.warning("decode graph capture failed, running eagerly: %s", exc)
                 torch.cuda.synchronize(self.device)
+        if self.expert_load is not None:
+            self.expert_load.reset()
         return layout
+
+    def _uncapturable_exchanges(self) -> list[str]:
+        """The names of the MoE layers' EP exchanges that cannot be captured in a CUDA graph."""
+        from engine.layers.fused_moe import FusedMoE
+        return sorted({type(m._exchange(self.dtype)).__name__ for m in self.model.modules()
+                       if isinstance(m, FusedMoE) and m.expert_parallel and not m._exchange(self.dtype).capturable})
+
+    def _expert_load_tracker(self) -> ExpertLoadTracker | None:
+        from engine.layers.fused_moe import FusedMoE
+        from engine.layers.linear import shard_range
+        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        if not layers or not self.config.expert_load_window:
+            return None
+        state = get_parallel_state()
+        num_experts = layers[0].num_experts
+        ranges = [shard_range(num_experts, state.ep_size, rank) for rank in range(state.ep_size)]
+        return ExpertLoadTracker(layers, self.config.expert_load_window, ranges)
 
     def _kv_quant(self, layer: KVCacheLayer, num_blocks: int) -> KVCacheQuant | None:
         granularity = self.kv_scale_granularity
@@ -309,7 +339,7 @@ class ModelRunner:
         self._step += 1
         if scheduled.is_empty:
             if scheduled.dummy:
-                self._dummy_forward()
+                self._dummy_forward(scheduled)
             return self._track(PendingOutput(self, self._step, RunnerOutput(), [], None, None))
         needed = 0
         for request_id in scheduled.num_scheduled_tokens:
@@ -320,7 +350,9 @@ class ModelRunner:
             self.resolve_until(needed)
         host = prepare_host_inputs(self.requests, scheduled.num_scheduled_tokens, self.block_size,
                                    tuple(key[0] for key in self._group_keys))
-        hidden = self._forward(host)
+        hidden = self._forward(host, scheduled)
+        if self.expert_load is not None:
+            self.expert_load.step()
         output = RunnerOutput()
         sampled_host, event = None, None
         if host.sampling_requests:
@@ -353,16 +385,50 @@ class ModelRunner:
         while self._unresolved and self._unresolved[0].step <= step:
             self._unresolved.popleft()._record()
 
-    def _dummy_forward(self) -> None:
-        """One token through every layer, attention skipped: the MoE layers' collectives of a lockstep step
-        on a DP rank that has nothing to run."""
-        token = torch.zeros(1, dtype=torch.int64, device=self.device)
-        with forward_context(None, self.block_size):
-            self.model(token, token)
+    def step_needs_eager(self, scheduled: SchedulerOutput) -> bool:
+        """Whether `scheduled` runs eagerly rather than from a decode graph (before it is launched): lockstep
+        DP ranks run a step from graphs only where every rank can (engine/lockstep.py)."""
+        counts = scheduled.num_scheduled_tokens
+        if self.graphs is None or len(counts) > self.graphs.max_batch or any(n != 1 for n in counts.values()):
+            return True
+        new = {request.request_id: request for request in scheduled.new_requests}
+        for request_id in counts:  # a prompt position's logprobs come from an eager pass (HostInputs)
+            request = new.get(request_id) or self.requests[request_id]
+            params = request.sampling_params if request_id in new else request.params
+            if params.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens - 1:
+                return True
+        return False
 
-    def _forward(self, host: HostInputs) -> torch.Tensor:
-        if self.graphs is not None and host.is_decode_only and len(host.requests) <= self.graphs.max_batch:
-            return self.graphs.run(host, self._last_sampled)
+    def _step_tokens(self, scheduled: SchedulerOutput) -> int:
+        """The most tokens of this step on any rank of the EP group: every rank's MoE exchanges pad to it."""
+        return max(scheduled.ep_num_tokens, scheduled.total_num_scheduled_tokens, 1)
+
+    def _graph_size(self, scheduled: SchedulerOutput, host: HostInputs | None) -> int | None:
+        """The decode graph that runs this step (padded to the EP group's largest step), or None: eager."""
+        tokens = self._step_tokens(scheduled)
+        if (self.graphs is None or scheduled.ep_eager or tokens > self.graphs.max_batch
+                or host is not None and not host.is_decode_only):
+            return None
+        return self.graphs.padded_size(tokens)
+
+    def _dummy_forward(self, scheduled: SchedulerOutput) -> None:
+        """The forward pass of a lockstep step on a DP rank that has nothing to run: only padding rows, no
+        cache writes, no sampling; its MoE layers join the other ranks' exchanges, padded as theirs are."""
+        size = self._graph_size(scheduled, None)
+        if size is not None:
+            self.graphs.run_dummy(size)
+        else:
+            token = torch.zeros(1, dtype=torch.int64, device=self.device)
+            moe = MoEStep(padded_step_tokens(self._step_tokens(scheduled), self.step_buckets), valid_tokens=0)
+            with forward_context(None, self.block_size, moe):  # attention skips a pass without metadata
+                self.model(token, token)
+        if self.expert_load is not None:
+            self.expert_load.step()
+
+    def _forward(self, host: HostInputs, scheduled: SchedulerOutput) -> torch.Tensor:
+        size = self._graph_size(scheduled, host)
+        if size is not None:
+            return self.graphs.run(host, self._last_sampled, size)
         input_ids = self._to_device(host.input_ids)
         if host.pending_positions:
             assert self._last_sampled is not None
@@ -373,7 +439,8 @@ class ModelRunner:
                                             host.num_computed, [host.block_table, *host.group_tables],
                                             [host.slot_mapping, *host.group_slot_mappings], host.state_slots,
                                             self._group_keys)
-        with forward_context(metadata, self.block_size):
+        moe = MoEStep(padded_step_tokens(self._step_tokens(scheduled), self.step_buckets))
+        with forward_context(metadata, self.block_size, moe):
             return self.model(input_ids, positions)
 
     def _update_states(self, scheduled: SchedulerOutput) -> None:
@@ -457,6 +524,27 @@ class ModelRunner:
             else:
                 suppressed.append([])
         return SamplingBatch(params, seeds, prompts, outputs, suppressed)
+
+    def release(self) -> None:
+        """Let go of everything this runner holds on its device: the decode graphs, the caches (unbound from
+        the layers too, which reference cycles inside the model may keep alive until the next garbage
+        collection) and the model. Their memory returns once the caller collects garbage; the runner
+        cannot run another step. Calling it again does nothing."""
+        self._unresolved.clear()  # launched steps refer back to the runner
+        self.requests.clear()
+        self._last_sampled = None
+        if self.graphs is not None:
+            self.graphs.outputs.clear()  # in the graphs' memory pool, which goes with the last graph
+            self.graphs.graphs.clear()
+            self.graphs = None
+        for layer in self.cache_layers:
+            layer.bind_caches({})
+            layer.kv_quant = None
+        self.state_tensors = []
+        self.layout, self.num_kv_blocks = None, 0
+        self.cache_layers, self.attention_layers = [], []
+        self.expert_load = None  # it holds the MoE layers
+        self.model = None
 
 
 def _slice_logprobs(lists: LogprobsLists, row: int, num_top: int) -> LogprobsLists:

@@ -31,10 +31,10 @@ _STOP = "stop"
 class StepTimer:
     """Diagnostics for multi-GPU stepping (off unless ATOM_RAY_STEP_TIMING_DIR is set): for the first
     `steps` plans after `skip`, CUDA events around each launch give each step's device time and the idle
-    gap before the next one, plus the host time to launch; rank<r>.json gets the medians."""
+    gap before the next one, plus the host time to launch; <name>.json gets the medians."""
 
-    def __init__(self, folder: str, rank: int, skip: int = 20, steps: int = 200) -> None:
-        self.path = Path(folder) / f"rank{rank}.json"
+    def __init__(self, folder: str, name: str, skip: int = 20, steps: int = 200) -> None:
+        self.path = Path(folder) / f"{name}.json"
         self.skip, self.steps = skip, steps
         self.records: list[tuple] = []
         self.seen = 0
@@ -80,12 +80,14 @@ class Worker:
                       or (config.tp_reduce_dtype == "auto" and self.device.type == "cuda"),
                       dp_rank=dp_rank, dp_size=config.data_parallel_size,
                       expert_parallel=config.enable_expert_parallel,
-                      max_num_batched_tokens=config.max_num_batched_tokens or 0)
+                      max_num_batched_tokens=config.max_num_batched_tokens or 0,
+                      expert_exchange=config.expert_exchange)
         source = resolve_model(config.model, config.load_format, config.hf_overrides)
         self.runner = ModelRunner(config, source, self.device, max_model_len, eos_token_ids,
                                   show_progress=rank == 0)
         timing_dir = os.environ.get("ATOM_RAY_STEP_TIMING_DIR")
-        self.timer = StepTimer(timing_dir, rank) if timing_dir and self.device.type == "cuda" else None
+        self.timer = StepTimer(timing_dir, f"dp{dp_rank}_rank{rank}") if timing_dir and self.device.type == "cuda" \
+            else None
 
     def _launch(self, scheduled: SchedulerOutput) -> PendingOutput:
         if self.timer is None:
@@ -130,7 +132,9 @@ class Worker:
             self._broadcast(_STOP)
 
     def shutdown(self) -> None:
-        destroy_parallel()
+        if self.device.type == "cuda":  # no collective of this rank still queued when its groups go
+            torch.cuda.synchronize(self.device)
+        destroy_parallel(abort=self.device.type == "cuda")  # the rank's process ends next
 
     def _broadcast(self, message):
         holder = [message]

@@ -66,6 +66,45 @@ def test_dp2_ep2_matches_single_process_with_one_rank_idle_at_first(dp_engine, e
     assert all(r["num_running"] == 0 and r["kv_cache_usage"] == 0 for r in ranks)
 
 
+def test_dp2_ep2_matches_single_process_with_very_different_batches(dp_engine, tiny_model_dirs):
+    """Six prompts with a shared prefix pile onto one DP rank (prefix affinity), one short prompt goes to the
+    other: the ranks' steps differ in size every step, and their exchanges pad to the larger."""
+    shared = list(range(300, 348))
+    prompts = [shared + [i] for i in range(6)] + [[7, 8, 9]]
+    reference = LLM(str(tiny_model_dirs["qwen3_moe"]), dtype="float32", show_progress=False).generate(prompts, GREEDY)
+    before = [r["routed_requests"] for r in dp_engine.stats()["dp_ranks"]]
+    outputs = dp_engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    routed = sorted(r["routed_requests"] - b for r, b in zip(dp_engine.stats()["dp_ranks"], before))
+    assert routed[1] - routed[0] >= 3, routed
+
+
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2), dict(tensor_parallel_size=2)],
+                         ids=["dp2_ep2", "tp2_ep"])
+def test_the_padded_all_to_all_form_matches_single_process(ray_cluster, tiny_model_dirs, expected, layout):
+    engine = atom_ray.start(str(tiny_model_dirs["qwen3_moe"]), dtype="float32", enable_expert_parallel=True,
+                            expert_exchange="all_to_all", **layout)
+    try:
+        alone = engine.generate([PROMPTS[1]], GREEDY)[0]  # under DP: one rank idle
+        assert alone.token_ids == expected[tuple(PROMPTS[1])]
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [expected[tuple(p)] for p in PROMPTS]
+    finally:
+        engine.shutdown()
+
+
+def test_expert_load_is_reported_per_expert_and_per_ep_rank(dp_engine):
+    """Over a window of steps, every DP rank reports the whole EP group's routing (top_k pairs per token)."""
+    dp_engine.generate([list(range(10, 40))] * 2, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+    ranks = dp_engine.stats()["dp_ranks"]
+    load = ranks[0]["expert_load"]
+    assert load["window_steps"] == 64
+    assert len(load["tokens_per_expert"]) == 8 and len(load["tokens_per_ep_rank"]) == 2
+    assert sum(load["tokens_per_expert"]) == sum(load["tokens_per_ep_rank"]) == load["tokens"] > 0
+    assert load["tokens"] % 2 == 0  # 2 of 8 experts per token (the tiny model's top_k), in every layer
+    assert load["ep_rank_imbalance"] >= 1.0
+    assert ranks[0]["lockstep_votes"] > 0 and ranks[0]["lockstep_vote_us_mean"] > 0
+
+
 def test_repeated_prefixes_go_to_the_rank_that_caches_them(dp_engine):
     shared = list(range(100, 180))  # five full 16-token blocks
     before = dp_engine.stats()["dp_ranks"]
@@ -143,6 +182,11 @@ def test_prometheus_metrics_report_each_dp_rank(dp_engine):
         assert samples[("atom_ray:dp_prefix_cache_hits_total", dp)] == rank["prefix_cache_hits"]
         assert samples[("atom_ray:dp_routed_requests_total", dp)] == rank["routed_requests"] > 0
     assert samples[("atom_ray:prompt_tokens_total", None)] == sum(r["prompt_tokens"] for r in stats["dp_ranks"])
+    load = stats["expert_load"]  # DP rank 0's: it counts the whole EP group's routing
+    assert samples[("atom_ray:ep_rank_load_imbalance", None)] == load["ep_rank_imbalance"]
+    per_rank = {s.labels["ep_rank"]: s.value for family in text_string_to_metric_families(text.decode())
+                for s in family.samples if s.name == "atom_ray:ep_rank_load_tokens"}
+    assert per_rank == {str(r): float(v) for r, v in enumerate(load["tokens_per_ep_rank"])}
 
 
 def test_the_openai_app_serves_a_dp_engine_and_reports_each_rank(dp_engine):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.forward_context import MoEStep, forward_context
 from engine.kernels.torch import moe as torch_moe
 from engine.layers import fused_moe
 from engine.layers.fused_moe import FusedMoE, RouterConfig
@@ -86,7 +87,25 @@ def test_expert_load_counts_every_routed_token(monkeypatch):
     layer.count_expert_load()
     layer(torch.randn(10, 24))
     layer(torch.randn(5, 24))
-    assert int(layer.load.counts.sum()) == 15 * 2 and layer.load.counts.numel() == 8
+    counts = layer.load_counts
+    assert counts.numel() == 8 + 1 and int(counts[:8].sum()) == 15 * 2 and int(counts[8]) == 0
+
+
+def test_expert_load_leaves_out_padding_rows(monkeypatch):
+    """Rows past the step's real tokens (a CUDA graph's padding) reach no expert and are not counted."""
+    monkeypatch.setattr(parallel_state, "_state", parallel_state.ParallelState())
+    layer = FusedMoE(8, 24, 16, RouterConfig("softmax_topk", 2))
+    for param in (layer.gate.weight, layer.w13, layer.w2):
+        param.data.normal_(0, 0.1)
+    layer.count_expert_load()
+    x = torch.randn(6, 24)
+    real = layer(x[:4])
+    x[4:] = 1e30  # padding rows hold anything
+    with forward_context(None, 16, MoEStep(6, valid_tokens=torch.tensor([4]))):
+        padded = layer(x)
+    torch.testing.assert_close(padded[:4], real)
+    assert torch.isfinite(padded).all() and not padded[4:].any()
+    assert int(layer.load_counts[:8].sum()) == 2 * 4 * 2 and int(layer.load_counts[8]) == 2 * 2
 
 
 def test_a_misshaped_or_unknown_expert_tensor_is_refused(monkeypatch):

@@ -1,5 +1,5 @@
 """The MORI expert exchange (engine/parallel/mori_all_to_all.py) on the MORI double (tests/mori_double):
-a FusedMoE gives the same output through it as through TorchAllToAll, on one CPU rank and on two (gloo),
+a FusedMoE gives the same output through it as through GatherScatterExchange, on one CPU rank and on two (gloo),
 and make_all_to_all takes it only where MORI fits, saying why not otherwise."""
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import engine.kernels
 import mori_double
+from gloo_ranks import run_two_ranks
+from engine.forward_context import MoEStep, forward_context
 from engine.kernels.torch import moe as torch_moe
 from engine.layers.fused_moe import FusedMoE, RouterConfig
 from engine.parallel import all_to_all, mori_all_to_all
 from engine.parallel import state as parallel_state
-from engine.parallel.all_to_all import ExchangeLayout, TorchAllToAll, make_all_to_all
+from engine.parallel.all_to_all import ExchangeLayout, ExpertPlacement, GatherScatterExchange, make_all_to_all
 from engine.parallel.mori_all_to_all import MoriAllToAll
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, MAX_TOKENS = 8, 24, 16, 3, 16
@@ -53,22 +54,34 @@ def _layout(num_experts: int = NUM_EXPERTS, dtype: torch.dtype = torch.float32) 
     return ExchangeLayout(num_experts, HIDDEN, TOP_K, MAX_TOKENS, dtype)
 
 
-def _forward(layer: FusedMoE, exchange, x: torch.Tensor, routing=None) -> torch.Tensor:
-    """The layer's output through `exchange`, routed by its router or as `routing` (weights, ids) says."""
+def _placement(num_experts: int = NUM_EXPERTS, ranks: int = 1, rank: int = 0) -> ExpertPlacement:
+    base, extra = divmod(num_experts, ranks)
+    return ExpertPlacement(tuple((r * base + min(r, extra), base + (r < extra)) for r in range(ranks)), rank)
+
+
+def _forward(layer: FusedMoE, exchange, x: torch.Tensor, routing=None, padded: int = 0) -> torch.Tensor:
+    """The layer's output through `exchange`, routed by its router or as `routing` (weights, ids) says, in a
+    step whose exchanges pad to `padded` tokens (the largest rank's: every rank's exchanges have one shape)."""
     layer._all_to_all = exchange
     layer.__dict__.pop("_route", None)
     if routing is not None:
-        layer._route = lambda tokens, expert_ids=None: routing
-    return layer(x)
+        layer._route = lambda tokens, expert_ids=None: (_rows(routing[0], padded), _rows(routing[1], padded))
+    with forward_context(None, 16, MoEStep(padded)):
+        return layer(x)
+
+
+def _rows(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    """`tensor` padded with zero rows to `count` rows (the padding is routed nowhere by the layer)."""
+    return torch.cat((tensor, tensor.new_zeros((max(0, count - tensor.shape[0]), *tensor.shape[1:]))))
 
 
 def _dense(whole: dict, x: torch.Tensor, routing) -> torch.Tensor:
     return torch_moe.fused_experts(x, whole["w13"], whole["w2"], *routing)
 
 
-def _torch_exchange(layer: FusedMoE, dtype: torch.dtype):
+def _static_exchange(layer: FusedMoE, dtype: torch.dtype):
     layer._all_to_all = None
-    return layer._exchange(dtype)  # host collectives on CPU: always TorchAllToAll
+    return layer._exchange(dtype)  # host collectives on CPU: never MORI
 
 
 # ---------------------------------------------------------------------------------- two gloo ranks
@@ -97,18 +110,18 @@ def _two_rank_worker(rank: int, init_method: str, out_dir: str) -> None:
             if case == "crafted":
                 weights = torch.rand(3, TOP_K, generator=torch.Generator().manual_seed(rank))
                 routing = (weights, torch.tensor(CRAFTED_IDS[rank], dtype=torch.int32))
-            results[case] = {"mori": _forward(layer, mori, x, routing),
-                             "torch": _forward(layer, _torch_exchange(layer, x.dtype), x, routing),
+            padded = max(TOKENS_PER_RANK[case])
+            results[case] = {"mori": _forward(layer, mori, x, routing, padded),
+                             "torch": _forward(layer, _static_exchange(layer, x.dtype), x, routing, padded),
                              "dense": _dense(whole, x, routing)}
         first = results["crafted"]["mori"]
         kept = first.clone()
-        results["crafted"]["mori_again"] = _forward(layer, mori, x, routing)
+        results["crafted"]["mori_again"] = _forward(layer, mori, x, routing, padded)
         results["crafted"]["first_kept"] = torch.equal(first, kept)
         sent = mori.dispatch(x, *routing)
         results["dispatched"] = {"local_ids": sent.local_ids.clone(), "weights": sent.weights.clone()}
         mori.combine(torch.zeros_like(sent.hidden), sent.handle)
-        no_owner = torch.zeros(7, dtype=torch.int64)
-        uneven = make_all_to_all(dist.group.WORLD, no_owner, no_owner, host_collectives=False, backend="mori",
+        uneven = make_all_to_all(dist.group.WORLD, _placement(7, 2, rank), host_collectives=False, form="mori",
                                  layout=_layout(num_experts=7))
         results["uneven_experts"] = {"exchange": type(uneven).__name__, "messages": messages}
         mori_all_to_all.shutdown()
@@ -118,13 +131,11 @@ def _two_rank_worker(rank: int, init_method: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("mori-two-ranks")
-    mp.spawn(_two_rank_worker, args=(f"file://{root}/rendezvous", str(root)), nprocs=2, join=True)
-    return [torch.load(root / f"rank{rank}.pt") for rank in range(2)]
+    return run_two_ranks(_two_rank_worker, tmp_path_factory.mktemp("mori-two-ranks"))
 
 
 @pytest.mark.parametrize("case", ["random", "one_rank_idle", "crafted"])
-def test_mori_exchange_gives_the_torch_exchange_output_on_two_ranks(two_ranks, case):
+def test_mori_exchange_gives_the_static_exchange_output_on_two_ranks(two_ranks, case):
     for rank in range(2):
         outputs = two_ranks[rank][case]
         assert outputs["mori"].shape == (TOKENS_PER_RANK[case][rank], HIDDEN)
@@ -155,8 +166,8 @@ def test_dispatch_marks_other_ranks_experts_and_rows_past_the_received_as_none(t
 def test_make_all_to_all_takes_torch_when_experts_do_not_divide_evenly(two_ranks):
     for rank in range(2):
         uneven = two_ranks[rank]["uneven_experts"]
-        assert uneven["exchange"] == "TorchAllToAll"
-        assert uneven["messages"] == ["expert all-to-all: MORI not used, torch.distributed instead: "
+        assert uneven["exchange"] == "GatherScatterExchange"
+        assert uneven["messages"] == ["expert exchange: MORI not used, torch.distributed instead: "
                                       "7 experts do not divide evenly over 2 EP ranks"]
 
 
@@ -184,12 +195,12 @@ def with_double(one_rank):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mori_exchange_gives_the_torch_exchange_output_on_one_rank(with_double, dtype):
+def test_mori_exchange_gives_the_static_exchange_output_on_one_rank(with_double, dtype):
     whole = _whole_layer()
     layer = _layer(0, 1, with_double, whole).to(dtype)
     x = torch.randn(9, HIDDEN).to(dtype)
     mori = _forward(layer, MoriAllToAll(with_double, _layout(dtype=dtype)), x)
-    reference = _forward(layer, _torch_exchange(layer, dtype), x)
+    reference = _forward(layer, _static_exchange(layer, dtype), x)
     assert mori.dtype == dtype and mori.shape == (9, HIDDEN)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(mori, reference, atol=tolerance, rtol=tolerance)
@@ -197,16 +208,14 @@ def test_mori_exchange_gives_the_torch_exchange_output_on_one_rank(with_double, 
 
 def test_make_all_to_all_takes_mori_with_the_aiter_backend(with_double, monkeypatch):
     monkeypatch.setattr(engine.kernels, "active_backend", lambda: SimpleNamespace(name="aiter"))
-    owner = local_index = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
-    assert isinstance(make_all_to_all(with_double, owner, local_index, False, layout=_layout()), MoriAllToAll)
-    assert isinstance(make_all_to_all(with_double, owner, local_index, False, backend="torch", layout=_layout()),
-                      TorchAllToAll)
+    assert isinstance(make_all_to_all(with_double, _placement(), False, layout=_layout()), MoriAllToAll)
+    assert isinstance(make_all_to_all(with_double, _placement(), False, form="allgather", layout=_layout()),
+                      GatherScatterExchange)
 
 
 def test_make_all_to_all_takes_torch_with_other_kernel_backends(with_double):
-    owner = local_index = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
     assert engine.kernels.active_backend().name != "aiter"
-    assert isinstance(make_all_to_all(with_double, owner, local_index, False, layout=_layout()), TorchAllToAll)
+    assert isinstance(make_all_to_all(with_double, _placement(), False, layout=_layout()), GatherScatterExchange)
 
 
 @pytest.mark.parametrize("layout, host_collectives, reason", [
@@ -220,20 +229,18 @@ def test_make_all_to_all_takes_torch_with_other_kernel_backends(with_double):
 def test_make_all_to_all_says_once_why_mori_does_not_fit(with_double, monkeypatch, caplog, layout,
                                                           host_collectives, reason):
     monkeypatch.setattr(engine.kernels, "active_backend", lambda: SimpleNamespace(name="aiter"))
-    owner = local_index = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
     with caplog.at_level(logging.INFO, logger=all_to_all.__name__):
         for _ in range(2):
-            assert isinstance(make_all_to_all(with_double, owner, local_index, host_collectives, layout=layout),
-                              TorchAllToAll)
-    assert caplog.messages == [f"expert all-to-all: MORI not used, torch.distributed instead: {reason}"]
+            assert isinstance(make_all_to_all(with_double, _placement(), host_collectives, layout=layout),
+                              GatherScatterExchange)
+    assert caplog.messages == [f"expert exchange: MORI not used, torch.distributed instead: {reason}"]
 
 
 def test_make_all_to_all_says_when_mori_is_not_installed(one_rank, monkeypatch, caplog):
     monkeypatch.setattr(engine.kernels, "active_backend", lambda: SimpleNamespace(name="aiter"))
     monkeypatch.setitem(sys.modules, "mori", None)  # `import mori` raises ImportError
-    owner = local_index = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
     with caplog.at_level(logging.INFO, logger=all_to_all.__name__):
-        exchange = make_all_to_all(one_rank, owner, local_index, False, layout=_layout())
-    assert isinstance(exchange, TorchAllToAll)
-    assert caplog.messages[0].startswith("expert all-to-all: MORI not used, torch.distributed instead: "
+        exchange = make_all_to_all(one_rank, _placement(), False, layout=_layout())
+    assert isinstance(exchange, GatherScatterExchange)
+    assert caplog.messages[0].startswith("expert exchange: MORI not used, torch.distributed instead: "
                                          "`import mori` failed")

@@ -88,3 +88,39 @@ def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, inter
         hidden_act = F.silu(gate) * up
         out.index_add_(0, tokens, down(hidden_act, expert) * flat_weights[pairs, None])
     return out.to(x.dtype)
+
+
+def moe_route_mask(weights: torch.Tensor, ids: torch.Tensor, first_row: int, valid: torch.Tensor | int | None,
+                   counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) with the rows at or past `valid` (rows numbered from `first_row`; None: every row is
+    real) routed nowhere: id -1, weight 0 (a NaN weight times a skipped expert's zero would still poison the
+    sum). `counts` [E + 1] int64: += the result's pairs per expert, -1 counted at index E."""
+    if valid is not None:
+        rows = torch.arange(first_row, first_row + ids.shape[0], device=ids.device)
+        real = (rows < valid)[:, None]
+        weights, ids = torch.where(real, weights, 0.0), torch.where(real, ids, -1)
+    if counts is not None:
+        add_counts(counts, ids)
+    return weights, ids
+
+
+def moe_local_slots(routing: torch.Tensor, expert_start: int, num_local: int,
+                    counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing rows gathered from every EP rank, float32 [R, 2k] (k global ids, -1 = none, then k weights),
+    as this rank's (local ids int32 [R, k], weights float32 [R, k]): experts outside [expert_start,
+    expert_start + num_local) become -1 with weight 0. `counts` [E + 1] int64: += the global pairs per
+    expert (the whole group's routing)."""
+    top_k = routing.shape[1] // 2
+    ids, weights = routing[:, :top_k].to(torch.int64), routing[:, top_k:]
+    if counts is not None:
+        add_counts(counts, ids)
+    local = ids - expert_start
+    mine = (ids >= 0) & (local >= 0) & (local < num_local)
+    return torch.where(mine, local, -1).to(torch.int32), torch.where(mine, weights.float(), 0.0)
+
+
+def add_counts(counts: torch.Tensor, ids: torch.Tensor) -> None:
+    """counts[e] += pairs routed to e; ids of -1 land in counts[E]. No host sync (capturable)."""
+    flat = ids.reshape(-1).long()
+    flat = torch.where(flat >= 0, flat, counts.numel() - 1)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))

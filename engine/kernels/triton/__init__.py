@@ -28,6 +28,8 @@ BACKEND = KernelBackend(
         "moe_topk_softmax": moe.moe_topk_softmax,
         "moe_grouped_topk": moe.moe_grouped_topk,  # the torch reference (see moe.py)
         "fused_experts": moe.fused_experts,
+        "moe_route_mask": moe.moe_route_mask,
+        "moe_local_slots": moe.moe_local_slots,
         "gemm_fp8_tensor": quant.gemm_quantized,
         "gemm_fp8_channel": quant.gemm_quantized,
         "gemm_fp8_block": quant.gemm_quantized,

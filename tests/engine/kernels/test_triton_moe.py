@@ -174,3 +174,41 @@ def test_fused_experts_replays_in_a_cuda_graph_with_new_routing():
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert_close_to_scale(out, reference.fused_experts(x, w13, w2, weights, ids), dtype)
+
+
+@pytest.mark.parametrize("valid", ["none", "int", "device"])
+@pytest.mark.parametrize("count", [False, True], ids=["no_count", "count"])
+def test_route_mask_routes_padding_rows_nowhere_and_counts_like_the_reference(valid, count):
+    rows, top_k = 37, 3
+    ids = torch.randint(-1, EXPERTS, (rows, top_k), dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(rows, top_k, device=DEVICE)
+    weights[25:] = float("nan")  # padding rows (25.., numbered 30.. from 5) may hold anything
+    limit = {"none": None, "int": 30, "device": torch.tensor([30], device=DEVICE)}[valid]
+    if valid == "none":
+        weights = torch.nan_to_num(weights)
+    counts = {name: torch.zeros(EXPERTS + 1, dtype=torch.int64, device=DEVICE) if count else None
+              for name in ("triton", "torch")}
+    got = moe.moe_route_mask(weights, ids, 5, limit, counts["triton"])  # rows numbered from 5
+    expected = reference.moe_route_mask(weights, ids, 5, limit, counts["torch"])
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
+    if valid != "none":
+        assert got[1][25:].eq(-1).all() and got[0][25:].eq(0).all()
+    if count:
+        assert torch.equal(counts["triton"], counts["torch"]) and int(counts["triton"].sum()) == rows * top_k
+
+
+@pytest.mark.parametrize("count", [False, True], ids=["no_count", "count"])
+def test_local_slots_keep_this_ranks_experts_and_count_every_ranks_pairs(count):
+    rows, top_k, hidden = 21, 4, 8
+    ids = torch.randint(-1, EXPERTS, (rows, top_k), device=DEVICE).float()
+    weights = torch.rand(rows, top_k, device=DEVICE)
+    gathered = torch.cat((torch.randn(rows, hidden, device=DEVICE), ids, weights), dim=1)  # a column slice
+    routing = gathered[:, hidden:]
+    counts = {name: torch.zeros(EXPERTS + 1, dtype=torch.int64, device=DEVICE) if count else None
+              for name in ("triton", "torch")}
+    got = moe.moe_local_slots(routing, 3, 3, counts["triton"])
+    expected = reference.moe_local_slots(routing, 3, 3, counts["torch"])
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert set(got[0].unique().tolist()) <= {-1, 0, 1, 2} and got[1][got[0] == -1].eq(0).all()
+    if count:
+        assert torch.equal(counts["triton"], counts["torch"])
