@@ -281,20 +281,19 @@ class StepTrace:
 
 
 def expert_load(llm, prompts, params, ep_sizes=(2, 8)) -> dict | None:
-    """Tokens routed to each expert over a run (counting costs a sync per layer, so a separate run): per
-    layer the busiest expert against the mean, and for EP layouts the busiest rank against the mean (what
-    an EP step waits for). None for a model without experts."""
-    from engine.layers.fused_moe import FusedMoE, experts_per_rank
-    layers = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, FusedMoE)]
-    if not layers:
+    """Tokens routed to each expert over a run (the layers' device counters, engine/runner/expert_load.py,
+    reset first): per layer the busiest expert against the mean, and for EP layouts the busiest rank against
+    the mean (what an EP step waits for). None for a model without experts or with counting off."""
+    from engine.layers.fused_moe import experts_per_rank
+    tracker = llm.engine.executor.runner.expert_load
+    if tracker is None:
         return None
-    for layer in layers:
-        layer.count_expert_load()
+    tracker.reset()
     llm.engine.scheduler.block_manager.reset_prefix_cache()
     llm.generate(prompts, params)
     rows, result = [], {"layers": []}
-    for index, layer in enumerate(layers):
-        counts = layer.load.counts.double()
+    for index, layer in enumerate(tracker.layers):
+        counts = layer.load_counts[:layer.num_experts].double().cpu()
         mean = counts.mean().item()
         entry = {"layer": index, "tokens": int(counts.sum()), "expert_max_over_mean": counts.max().item() / mean,
                  "expert_min_over_mean": counts.min().item() / mean}
@@ -303,8 +302,7 @@ def expert_load(llm, prompts, params, ep_sizes=(2, 8)) -> dict | None:
             per_rank = torch.stack([part.sum() for part in counts.split([sizes[r] for r in range(ep)])])
             entry[f"ep{ep}_rank_max_over_mean"] = (per_rank.max() / per_rank.mean()).item()
         result["layers"].append(entry)
-        layer.count_expert_load(False)
-        if index in (0, len(layers) // 2, len(layers) - 1):
+        if index in (0, len(tracker.layers) // 2, len(tracker.layers) - 1):
             rows.append((str(index), str(entry["tokens"]), f"{entry['expert_max_over_mean']:.2f}",
                          f"{entry['expert_min_over_mean']:.2f}",
                          *(f"{entry[f'ep{ep}_rank_max_over_mean']:.2f}" for ep in ep_sizes)))

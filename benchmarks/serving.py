@@ -7,6 +7,11 @@ output tokens/s; the offline engine with max_num_seqs=64 runs the c=64 requests 
 model gets a synthetic word-level tokenizer (one word per id), so streaming carries real text.
 
     python -m benchmarks.serving [--model benchmarks/configs/llama-3.1-8b] --out serving.json [--plot serving.png]
+    python -m benchmarks.serving --model benchmarks/configs/qwen3-30b-a3b --levels 64 \
+        --engine-args '{"data_parallel_size": 2, "enable_expert_parallel": true}' --out serving_dp2.json
+
+A layout of several GPUs (`--engine-args` with tensor_parallel_size or data_parallel_size) takes its offline
+baseline from the same layout through `atom_ray.start`, the serving path's engine without HTTP.
 """
 from __future__ import annotations
 
@@ -94,14 +99,29 @@ async def sweep_level(base_url: str, model: str, requests, concurrency: int) -> 
 def offline_throughput(model: str, requests, concurrency: int) -> float:
     import torch
     from engine import LLM, SamplingParams
-    llm = LLM(model, show_progress=False, **{**ENGINE_ARGS, "max_num_seqs": concurrency})
+    args = {**ENGINE_ARGS, "max_num_seqs": concurrency}
+    several = args.get("tensor_parallel_size", 1) * args.get("data_parallel_size", 1) > 1
+    if several:
+        import ray
+
+        import atom_ray
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
+        llm = atom_ray.start(model, **args)
+    else:
+        llm = LLM(model, show_progress=False, **args)
     prompts = [p for p, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    llm.generate(prompts[:4], params[:4])
-    llm.engine.scheduler.block_manager.reset_prefix_cache()
-    start = time.perf_counter()
-    llm.generate(prompts, params)  # returns once every token is on the host
-    tok_s = sum(n for _, n in requests) / (time.perf_counter() - start)
+    try:
+        llm.generate(prompts[:4], params[:4])
+        if not several:
+            llm.engine.scheduler.block_manager.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate(prompts, params)  # returns once every token is on the host
+        tok_s = sum(n for _, n in requests) / (time.perf_counter() - start)
+    finally:
+        llm.shutdown()
+        if several:
+            ray.shutdown()
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -138,7 +158,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot", default=None, help="draw throughput and latency against concurrency (PNG)")
     parser.add_argument("--from-json", default=None, help="only draw the plot of an earlier run's JSON")
+    parser.add_argument("--engine-args", default="{}", help="JSON of engine arguments over the defaults "
+                        "(e.g. '{\"data_parallel_size\": 2, \"enable_expert_parallel\": true}')")
     args = parser.parse_args()
+    ENGINE_ARGS.update(json.loads(args.engine_args))
     if args.from_json:
         plot(json.loads(Path(args.from_json).read_text()), args.plot or "serving.png")
         return

@@ -128,7 +128,7 @@ def step_timing(args) -> None:
         finally:
             handle.shutdown()
             ray.shutdown()
-        ranks = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))}
+        ranks = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*rank*.json"))}
         results[f"tp{tp}"] = {"tok_s": rate, "ranks": ranks, "greedy_tokens": tokens}
         print(f"TP={tp} decode {rate:.1f} tok/s")
         for name, timing in ranks.items():
