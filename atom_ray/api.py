@@ -95,7 +95,8 @@ def start(model: str, *, address: str | None = None, cpus_per_rank: int | None =
     gpus_per_rank = check_gpus_per_rank(gpus_per_rank)
     ensure_ray(address)
     options = placement_options(config.device, config.tensor_parallel_size, cpus_per_rank, accelerator_type,
-                                placement_timeout_s, gpus_per_rank, config.data_parallel_size)
+                                placement_timeout_s, gpus_per_rank, config.data_parallel_size,
+                                config.enable_expert_parallel)
     group = create_placement_group(config.tensor_parallel_size * config.data_parallel_size, options)
     if config.data_parallel_size > 1:
         # The router takes no bundle; each DP rank's Coordinator is its TP rank 0.

@@ -6,9 +6,10 @@ import socket
 from dataclasses import dataclass
 
 
-# Ray narrows each GPU actor's view to its own device unless told not to. Ranks of one TP group keep the
-# node's GPUs visible so that they can map each other's memory (the one-shot all-reduce in
-# engine/parallel/symmetric_all_reduce.py); each rank then selects its assigned GPU itself.
+# Ray narrows each GPU actor's view to its own device unless told not to. Ranks of one TP group, and the ranks
+# of an expert-parallel group, keep the node's GPUs visible so that they can map each other's memory (the
+# one-shot all-reduces of engine/parallel/symmetric_all_reduce.py and of the EP exchange); each rank then
+# selects its assigned GPU itself.
 KEEP_DEVICES_VISIBLE = {f"RAY_EXPERIMENTAL_NOSET_{name}": "1"
                         for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}
 
@@ -19,7 +20,7 @@ class PlacementOptions:
     cpus_per_rank: int
     accelerator_type: str | None = None
     timeout_s: float = 600.0
-    share_devices: bool = False  # GPU ranks of a TP group see every GPU of their node
+    share_devices: bool = False  # GPU ranks of a TP or EP group see every GPU of their node
     gpus_per_rank: float = 1.0  # below 1, ranks share GPUs (for checking TP numerics on fewer GPUs)
 
     @property
@@ -42,7 +43,7 @@ def describe_layout(tensor_parallel_size: int, data_parallel_size: int = 1) -> s
 
 def placement_options(device: str, tensor_parallel_size: int, cpus_per_rank: int | None,
                       accelerator_type: str | None, timeout_s: float, gpus_per_rank: float = 1.0,
-                      data_parallel_size: int = 1) -> PlacementOptions:
+                      data_parallel_size: int = 1, expert_parallel: bool = False) -> PlacementOptions:
     """GPU ranks when the engine asks for CUDA, or for 'auto' when the cluster has enough GPUs.
     `gpus_per_rank` below 1 packs several ranks on one GPU (0.5: two); such ranks reduce through host
     memory (engine/parallel/state.py), so it is for checking TP numerics, not for speed. A layout that the
@@ -65,7 +66,8 @@ def placement_options(device: str, tensor_parallel_size: int, cpus_per_rank: int
                            f"the Ray cluster has {cpus:g}. Lower data_parallel_size or tensor_parallel_size, or "
                            "add nodes.")
     return PlacementOptions(use_gpu, cpus_per_rank, accelerator_type, timeout_s,
-                            share_devices=use_gpu and tensor_parallel_size > 1, gpus_per_rank=gpus_per_rank)
+                            share_devices=use_gpu and (tensor_parallel_size > 1 or expert_parallel and num_ranks > 1),
+                            gpus_per_rank=gpus_per_rank)
 
 
 def check_gpus_per_rank(gpus_per_rank) -> float:

@@ -33,12 +33,15 @@ def test_tp_group_ranks_on_gpus_keep_every_gpu_of_the_node_visible():
     assert "runtime_env" not in single
 
 
-def test_only_gpu_tp_groups_share_devices(monkeypatch):
+def test_only_gpu_tp_and_ep_groups_share_devices(monkeypatch):
     import ray
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 8, "CPU": 64})
     assert placement.placement_options("cuda", 2, None, None, 60).share_devices
     assert not placement.placement_options("cuda", 1, None, None, 60).share_devices
     assert not placement.placement_options("cpu", 2, None, None, 60).share_devices
+    # DP ranks whose MoE layers form one EP group map each other's memory too; independent DP ranks do not.
+    assert placement.placement_options("cuda", 1, None, None, 60, data_parallel_size=2, expert_parallel=True).share_devices
+    assert not placement.placement_options("cuda", 1, None, None, 60, data_parallel_size=2).share_devices
 
 
 def test_ranks_sharing_a_gpu_ask_for_a_fraction_of_it(monkeypatch):
