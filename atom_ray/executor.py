@@ -74,7 +74,7 @@ class RayExecutor:
         tracker = self.worker.runner.expert_load
         return tracker.report() if tracker is not None else None
 
-    def shutdown(self, timeout_s: float = 20.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the peers' loops, then tear every rank's process groups down together (NCCL's teardown waits
         for every rank); a rank that does not finish within `timeout_s` is left behind, its actor killed."""
         import ray
