@@ -35,9 +35,12 @@ from engine.kernels.torch import moe as torch_moe
 
 logger = logging.getLogger(__name__)
 
-# "auto": steps of up to this many tokens per rank take the all-gather form; larger ones PREFILL_FORM.
+# "auto": steps of up to this many tokens per rank take the all-gather form; larger ones PREFILL_FORM. At EP=2
+# with top-8 routing 99.6 % of tokens reach both ranks, so the padded all-to-all moves the all-gather's bytes
+# with more work around it; which is faster at prefill sizes (and at EP=8, where ~66 % do) is not measured
+# yet (benchmarks/ep_exchange_bench.py), so "auto" keeps the all-gather form throughout.
 DECODE_ROWS = 512
-PREFILL_FORM = "allgather"  # docs/BENCHMARKS.md, issue 26: the two forms at prefill sizes on 2x H200
+PREFILL_FORM = "allgather"
 
 
 @dataclass
@@ -165,19 +168,26 @@ class GatherScatterExchange(ExpertAllToAll):
         self.expert_start, self.num_local_experts = placement.local
         self.small = small_all_reduce
 
+    def _one_shot_rows(self, hidden: torch.Tensor, top_k: int) -> int:
+        """The most tokens per rank whose collectives fit the one-shot all-reduce (0: none do)."""
+        if self.small is None:
+            return 0
+        per_row = self.net.world * max((hidden.shape[1] + 2 * top_k) * 4, hidden.shape[1] * hidden.element_size())
+        return self.small.max_bytes // per_row
+
     def _one_shot(self, rows: int, hidden: torch.Tensor, top_k: int) -> bool:
         """Whether both of a step's collectives fit the one-shot all-reduce (the same answer on every rank)."""
-        if self.small is None:
-            return False
-        everyone = self.net.world * rows
-        return everyone * (hidden.shape[1] + 2 * top_k) * 4 <= self.small.max_bytes and \
-            everyone * hidden.shape[1] * hidden.element_size() <= self.small.max_bytes
+        return rows <= self._one_shot_rows(hidden, top_k)
 
     def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  counts: torch.Tensor | None = None) -> Dispatched:
         rows, width = hidden.shape
         routing = _pack_routing(ids, weights)
-        if self._one_shot(rows, hidden, ids.shape[1]):
+        one_shot, limit = self._one_shot(rows, hidden, ids.shape[1]), self._one_shot_rows(hidden, ids.shape[1])
+        _log_once("expert exchange: all-gather form " + (
+            f"over one-shot symmetric-memory all-reduces for steps of up to {limit} tokens per EP rank" if one_shot
+            else f"over NCCL for steps of more than {limit} tokens per EP rank" if limit else "over NCCL"))
+        if one_shot:
             mine = hidden.new_zeros((self.net.world * rows, width + routing.shape[1]), dtype=torch.float32)
             own = mine[self.rank * rows:(self.rank + 1) * rows]
             own[:, :width] = hidden

@@ -167,7 +167,7 @@ def test_make_all_to_all_takes_torch_when_experts_do_not_divide_evenly(two_ranks
     for rank in range(2):
         uneven = two_ranks[rank]["uneven_experts"]
         assert uneven["exchange"] == "GatherScatterExchange"
-        assert uneven["messages"] == ["expert exchange: MORI not used, torch.distributed instead: "
+        assert [m for m in uneven["messages"] if "MORI" in m] == ["expert exchange: MORI not used, torch.distributed instead: "
                                       "7 experts do not divide evenly over 2 EP ranks"]
 
 
