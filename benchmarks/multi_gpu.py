@@ -51,11 +51,17 @@ def decode_rate(generate) -> float:
     return NEW_TOKENS / (min(run(NEW_TOKENS + 1) for _ in range(3)) - prefill)
 
 
-def rank_timings(folder: Path) -> dict:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+def rank_timings(folder: Path, keep: Path) -> dict:
+    """The ranks' StepTimer files of the layout just run, moved out of the shared folder into `keep`."""
+    keep.mkdir(parents=True, exist_ok=True)
+    timings = {}
+    for path in sorted(folder.glob("*.json")):
+        timings[path.stem] = json.loads(path.read_text())
+        path.rename(keep / path.name)
+    return timings
 
 
-def measure_layout(model: str, layout: dict, prompts, params, timing_dir: Path) -> dict:
+def measure_layout(model: str, layout: dict, prompts, params, timing_dir: Path, label: str) -> dict:
     import atom_ray
     started = time.perf_counter()
     engine = atom_ray.start(model, **ENGINE_ARGS, **layout)
@@ -81,7 +87,7 @@ def measure_layout(model: str, layout: dict, prompts, params, timing_dir: Path) 
         started = time.perf_counter()
         engine.shutdown()
         result["shutdown_s"] = time.perf_counter() - started
-    result["ranks"] = rank_timings(timing_dir)
+    result["ranks"] = rank_timings(timing_dir, timing_dir / label.replace(" ", "").replace("=", "").replace("+", "_"))
     return result
 
 
@@ -92,6 +98,11 @@ def benchmark(args) -> dict:
     from benchmarks.gpu_perf import throughput_workload
     from engine import SamplingParams
     results = {}
+    # One Ray cluster for every layout; each rank's StepTimer writes into this folder (Ray starts the actors
+    # with the driver's environment variables).
+    timing_dir = Path(tempfile.mkdtemp(prefix="step-timing-"))
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
+             runtime_env={"env_vars": {"ATOM_RAY_STEP_TIMING_DIR": str(timing_dir)}})
     for name in args.models.split(","):
         model = f"benchmarks/configs/{name}"
         prompts, output_lens = throughput_workload(AutoConfig.from_pretrained(model).vocab_size)
@@ -101,18 +112,14 @@ def benchmark(args) -> dict:
         for label, layout in LAYOUTS[name].items():
             if args.layouts and label not in args.layouts.split(","):
                 continue
-            timing_dir = Path(tempfile.mkdtemp(prefix="step-timing-"))
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
-                     runtime_env={"env_vars": {"ATOM_RAY_STEP_TIMING_DIR": str(timing_dir)}})
             try:
-                results[name][label] = measure_layout(model, layout, prompts, params, timing_dir)
+                results[name][label] = measure_layout(model, layout, prompts, params, timing_dir, f"{name}-{label}")
             except Exception as exc:  # one layout's failure leaves the others' numbers
                 results[name][label] = {"error": repr(exc)}
                 print(f"{name} {label}: {exc!r}")
-            finally:
-                ray.shutdown()
             print(name, label, {k: v for k, v in results[name][label].items() if k != "expert_load"}, flush=True)
             Path(args.out).write_text(json.dumps({"environment": environment_record(), "results": results}, indent=2))
+    ray.shutdown()
     return results
 
 

@@ -404,9 +404,14 @@ class FusedMoE(nn.Module):
         weights, ids = ops.moe_route_mask(*self._route(chunk, ids_chunk), first, valid)
         exchange = self._exchange(x.dtype)
         sent = exchange.dispatch(chunk, weights, ids, self.load_counts)
-        out = exchange.combine(self._experts(sent.hidden, sent.weights, sent.local_ids), sent.handle)
+        expert_out = self._experts(sent.hidden, sent.weights, sent.local_ids)
+        out = None
         if self.tp_size > 1:
-            out = tensor_parallel_all_gather(out, dim=0)
+            out = exchange.combine_tp_group(expert_out, sent.handle, self.tp_size, self.tp_rank)
+        if out is None:
+            out = exchange.combine(expert_out, sent.handle)
+            if self.tp_size > 1:
+                out = tensor_parallel_all_gather(out, dim=0)
         return out if padded == num_tokens else out[:num_tokens]
 
     def _exchange(self, dtype: torch.dtype) -> ExpertAllToAll:

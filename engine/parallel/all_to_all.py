@@ -99,6 +99,12 @@ class ExpertAllToAll:
         """[rows, H]: each of this rank's tokens summed over the ranks its experts ran on."""
         raise NotImplementedError
 
+    def combine_tp_group(self, expert_out: torch.Tensor, handle: tuple, tp_size: int, tp_rank: int):
+        """[tp_size * rows, H]: the tokens of this rank's whole TP group (the ranks tp_size * d .. of the EP
+        group, which hold one DP rank's tokens a chunk each), summed, where one collective gives them; else
+        None (the caller combines its own chunk and all-gathers it over the TP group)."""
+        return None
+
 
 def count_over_group(counts: torch.Tensor, ids: torch.Tensor, all_reduce) -> None:
     """counts += the group's pairs per expert, from this rank's `ids` and a sum over the group."""
@@ -206,6 +212,14 @@ class GatherScatterExchange(ExpertAllToAll):
             return self.small(expert_out.contiguous())[self.rank * rows:(self.rank + 1) * rows]
         return self.net.reduce_scatter(expert_out)
 
+    def combine_tp_group(self, expert_out: torch.Tensor, handle: tuple, tp_size: int, tp_rank: int):
+        # The one-shot all-reduce leaves every row's sum on every rank: the TP group's rows need no gather.
+        one_shot, rows = handle
+        if not one_shot:
+            return None
+        first = (self.rank - tp_rank) * rows
+        return self.small(expert_out.contiguous())[first:first + tp_size * rows]
+
 
 class PaddedAllToAll(ExpertAllToAll):
     """Send buffer [ranks, rows]: destination r's part holds, from its front, the tokens with an expert on r."""
@@ -272,6 +286,10 @@ class StepExchange(ExpertAllToAll):
     def combine(self, expert_out: torch.Tensor, handle: tuple) -> torch.Tensor:
         form, inner = handle
         return form.combine(expert_out, inner)
+
+    def combine_tp_group(self, expert_out: torch.Tensor, handle: tuple, tp_size: int, tp_rank: int):
+        form, inner = handle
+        return form.combine_tp_group(expert_out, inner, tp_size, tp_rank)
 
 
 def make_all_to_all(group, placement: ExpertPlacement, host_collectives: bool, form: str = "auto",

@@ -237,3 +237,12 @@ def test_deepseek_over_two_ranks_matches_single_process(ray_cluster, tiny_model_
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     finally:
         engine.shutdown()
+
+
+def test_independent_dp_ranks_expert_loads_add_up():
+    """Without expert parallelism each DP rank counts only its own tokens: the router sums them."""
+    from atom_ray.dp_coordinator import merge_expert_loads
+    loads = [{"window_steps": 64, "tokens_per_expert": [3, 1, 0, 0]}, {"window_steps": 60, "tokens_per_expert": [1, 1, 2, 0]}]
+    merged = merge_expert_loads(loads)
+    assert merged["tokens_per_expert"] == [4, 2, 2, 0] and merged["tokens"] == 8 and merged["window_steps"] == 60
+    assert merged["expert_imbalance"] == 4 * 4 / 8

@@ -15,7 +15,7 @@ from engine.kernels.torch import moe as torch_moe
 from engine.layers.fused_moe import FusedMoE, RouterConfig
 from engine.lockstep import BUSY, IDLE, STOP, Lockstep
 from engine.parallel import state as parallel_state
-from engine.parallel.all_to_all import ExpertPlacement, PaddedAllToAll, StepExchange
+from engine.parallel.all_to_all import ExpertPlacement, GatherScatterExchange, PaddedAllToAll, StepExchange
 from engine.runner.cuda_graphs import capture_sizes, padded_step_tokens
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 24, 16, 3
@@ -54,6 +54,16 @@ def _exchange(form: str, layer: FusedMoE):
     return exchange
 
 
+class GlooOneShot:
+    """Stands in for SymmetricAllReduce on CPU: the same sum, through gloo."""
+    max_bytes = 1 << 20
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+
 def _worker(rank: int, init_method: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     engine.kernels.activate("torch", torch.device("cpu"))
@@ -74,6 +84,23 @@ def _worker(rank: int, init_method: str, out_dir: str) -> None:
                 out = layer(x)
             results[(case, form)] = {"out": out, "reference": reference, "real": real,
                                      "counts": layer.load_counts.clone()}
+    # The one-shot path (a gloo stand-in for the symmetric-memory all-reduce), as EP=2 and as TP=2 + EP (the
+    # two ranks hold the same tokens, a chunk each; the TP group's rows come out of the combine whole).
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(77))  # the same on both ranks
+    reference = torch_moe.fused_experts(x, whole["w13"], whole["w2"], *layer.gate.route(x, layer.router))
+    for tp_size in (1, 2):
+        for one_shot in (False, True):
+            parallel_state._state.tp_rank, parallel_state._state.tp_size = (rank, 2) if tp_size == 2 else (0, 1)
+            parallel_state._state.device_group = dist.group.WORLD
+            tp_layer = FusedMoE(NUM_EXPERTS, HIDDEN, INTERMEDIATE, RouterConfig("softmax_topk", TOP_K))
+            tp_layer.load_state_dict(layer.state_dict())
+            tp_layer._all_to_all = GatherScatterExchange(dist.group.WORLD, ExpertPlacement(((0, 4), (4, 4)), rank),
+                                                         True, GlooOneShot() if one_shot else None)
+            mine = x if tp_size == 2 else x[:3] if rank == 0 else x[3:]
+            with forward_context(None, 16, MoEStep(5 if tp_size == 2 else 3)):
+                out = tp_layer(mine)
+            expected = reference if tp_size == 2 else reference[:3] if rank == 0 else reference[3:]
+            results[("one_shot", tp_size, one_shot)] = (out, expected)
     # The lockstep agreement among the DP leaders.
     parallel_state._state.dp_leaders_group = dist.group.WORLD
     lockstep = Lockstep()
@@ -108,6 +135,14 @@ def test_every_rank_counts_the_whole_groups_routing_and_no_padding(two_ranks, ca
     real_pairs = TOP_K * sum(CASES[case][0])
     assert torch.equal(counts[0][:NUM_EXPERTS], counts[1][:NUM_EXPERTS])
     assert int(counts[0][:NUM_EXPERTS].sum()) == real_pairs
+
+
+@pytest.mark.parametrize("one_shot", [False, True], ids=["nccl_form", "one_shot"])
+@pytest.mark.parametrize("tp_size", [1, 2], ids=["ep2", "tp2_ep"])
+def test_the_all_gather_form_over_one_shot_all_reduces_matches_the_whole_layer(two_ranks, tp_size, one_shot):
+    for rank in range(2):
+        out, expected = two_ranks[rank][("one_shot", tp_size, one_shot)]
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_ranks_agree_on_the_largest_step_and_a_stop_stops_all(two_ranks):
