@@ -24,5 +24,6 @@ else
   run llama 150 $M --models llama-3.1-8b --out "$OUT/llama.json"
   run serving 240 python3 -m benchmarks.serving --model benchmarks/configs/qwen3-30b-a3b --levels 64 \
       --engine-args '{"data_parallel_size": 2, "enable_expert_parallel": true}' --out "$OUT/serving_dp2.json"
+  run check 150 $M --check --out "$OUT/check.json"
 fi
-grep -hE "^(qwen|llama|deep|model|-|c=64)" "$OUT"/*.log | cut -c1-300
+grep -hE "^(qwen|llama|deep|model|-|c=64|check)" "$OUT"/*.log | cut -c1-300
