@@ -132,7 +132,7 @@ class OpChecks:
 
     def run(self) -> None:
         for check in (self.dense, self.norms, self.rotary, self.activation, self.sampling, self.routing,
-                      self.experts, self.quantized_gemms, self.quantized_experts):
+                      self.routing_bookkeeping, self.experts, self.quantized_gemms, self.quantized_experts):
             try:
                 check()
             except Exception as exc:  # keep going: one broken kernel should not hide the others
@@ -225,6 +225,25 @@ class OpChecks:
                                   (logits, top_k, True, groups, kept, "sigmoid", bias, 2.5))
             self._compare_routing("moe_grouped_topk", f"T={m} E={experts} softmax {kept}/{groups}",
                                   (logits, top_k, False, groups, kept, "softmax", None, 1.0))
+
+    def routing_bookkeeping(self) -> None:
+        """Padding rows masked (and the load counted), and the EP slots of a gathered routing: integers and
+        copied weights, so exact."""
+        experts, top_k = self.shapes.experts[:2]
+        for m in self.shapes.tokens:
+            weights, ids = self._route(m, experts, top_k)
+            valid = torch.tensor([max(1, m // 2)], device=self.device)
+            counts = [torch.zeros(experts + 1, dtype=torch.int64, device=self.device) for _ in range(2)]
+            got = self.aiter.ops["moe_route_mask"](weights, ids, 0, valid, counts[0])
+            expected = self.reference.ops["moe_route_mask"](weights, ids, 0, valid, counts[1])
+            self.compare("moe_route_mask", f"T={m} k={top_k} valid={m // 2 or 1}", (*got, counts[0]),
+                         (*expected, counts[1]), 0.0)
+            routing = torch.cat((ids.float(), weights), dim=1)
+            half = experts // 2
+            got = self.aiter.ops["moe_local_slots"](routing, half, half, counts[0])
+            expected = self.reference.ops["moe_local_slots"](routing, half, half, counts[1])
+            self.compare("moe_local_slots", f"R={m} k={top_k} experts {half}..{experts - 1}", (*got, counts[0]),
+                         (*expected, counts[1]), 0.0)
 
     def _compare_routing(self, op: str, shape: str, args: tuple) -> None:
         """Each token's experts as a set (kernels may order them differently), their weights in expert order."""

@@ -158,7 +158,8 @@ def test_chunked_prefill_and_prefix_caching_give_transformers_tokens(model_dirs)
 
 
 def test_indexer_keys_ride_the_latent_block_table_and_shared_layers_keep_none(model_dirs):
-    runner = LLM(str(model_dirs["glm_moe_dsa"]), dtype="float32", show_progress=False).engine.executor.runner
+    llm = LLM(str(model_dirs["glm_moe_dsa"]), dtype="float32", show_progress=False)  # kept: a dropped LLM frees
+    runner = llm.engine.executor.runner
     layers = [m for m in runner.model.modules() if isinstance(m, SparseMLAAttention)]
     assert [layer.indexer is not None for layer in layers] == [True, False, False, True]
     for layer in layers:
