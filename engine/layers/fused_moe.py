@@ -441,6 +441,12 @@ def _rows(x: torch.Tensor, first: int, count: int, fill: float | None = None) ->
     return out
 
 
+def uncapturable_exchanges(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """The names of the model's expert-parallel exchanges that cannot be captured in a CUDA graph."""
+    return sorted({type(m._exchange(dtype)).__name__ for m in model.modules()
+                   if isinstance(m, FusedMoE) and m.expert_parallel and not m._exchange(dtype).capturable})
+
+
 def _check_shape(tensor: torch.Tensor, expected: tuple, what: str) -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")

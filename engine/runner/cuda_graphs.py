@@ -139,6 +139,21 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured decode graphs for batch sizes %s", self.sizes)
 
+    def can_replay(self, scheduled, requests: dict) -> bool:
+        """Whether a step plan (before it is launched) is a decode-only batch that a graph can run: every
+        sequence one token, at most max_batch of them, and no prompt position's logprobs (those come from an
+        eager pass). `requests`: the runner's state of the plan's earlier requests."""
+        counts = scheduled.num_scheduled_tokens
+        if len(counts) > self.max_batch or any(n != 1 for n in counts.values()):
+            return False
+        new = {request.request_id: request for request in scheduled.new_requests}
+        for request_id in counts:
+            request = new.get(request_id) or requests[request_id]
+            params = request.sampling_params if request_id in new else request.params
+            if params.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens - 1:
+                return False
+        return True
+
     def padded_size(self, batch: int) -> int | None:
         for size in self.sizes:
             if size >= batch:

@@ -12,6 +12,18 @@ from __future__ import annotations
 import torch
 
 
+def expert_load_tracker(model, window: int) -> "ExpertLoadTracker | None":
+    """A tracker over the model's MoE layers, or None (no experts, or `window` 0: no counting)."""
+    from engine.layers.fused_moe import FusedMoE
+    from engine.layers.linear import shard_range
+    from engine.parallel import get_parallel_state
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not layers or not window:
+        return None
+    ep_size, num_experts = get_parallel_state().ep_size, layers[0].num_experts
+    return ExpertLoadTracker(layers, window, [shard_range(num_experts, ep_size, rank) for rank in range(ep_size)])
+
+
 class ExpertLoadTracker:
     def __init__(self, layers: list, window: int, rank_ranges: list[tuple[int, int]]) -> None:
         """`layers`: the model's FusedMoE layers; `rank_ranges`: (first expert, count) of each EP rank (one

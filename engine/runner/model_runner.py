@@ -20,11 +20,12 @@ from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant
 from engine.kernels.sampling import step_seed
 from engine.kv_cache_spec import FULL_GROUP, CacheGroupMetadata, CacheLayout, PagedSpec, StateSpec
 from engine.layers.attention import Attention, KVCacheLayer
+from engine.layers.fused_moe import uncapturable_exchanges
 from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
 from engine.loader import ModelSource, build_model
 from engine.parallel import enable_fused_all_reduce_norm, get_parallel_state
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_step_tokens
-from engine.runner.expert_load import ExpertLoadTracker
+from engine.runner.expert_load import expert_load_tracker
 from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
@@ -150,7 +151,7 @@ class ModelRunner:
         # The token counts MoE exchanges pad steps to (those of the decode graphs, captured or not: the same
         # on every rank of the EP group, which share one configuration).
         self.step_buckets = capture_sizes(config.max_num_seqs)
-        self.expert_load = self._expert_load_tracker()
+        self.expert_load = expert_load_tracker(self.model, config.expert_load_window)
         self._last_sampled: torch.Tensor | None = None  # device ids of the latest step, for pending tokens
         self._step = 0
         self._unresolved: deque[PendingOutput] = deque()  # launched steps whose ids are not recorded yet
@@ -269,7 +270,7 @@ class ModelRunner:
         if self.config.fp8_kv_cache:
             logger.info("KV cache: %s with %s scales", self.kv_cache_dtype, self.kv_scale_granularity)
         state = get_parallel_state()
-        uncapturable = self._uncapturable_exchanges() if state.expert_parallel else []
+        uncapturable = uncapturable_exchanges(self.model, self.dtype) if state.expert_parallel else []
         if uncapturable and self.uses_cuda and not self.config.enforce_eager:
             logger.info("expert parallelism: decode steps run eagerly (the %s exchange keeps its own "
                         "device-side counts and is not captured in CUDA graphs)", uncapturable[0])
@@ -298,23 +299,6 @@ class ModelRunner:
         if self.expert_load is not None:
             self.expert_load.reset()
         return layout
-
-    def _uncapturable_exchanges(self) -> list[str]:
-        """The names of the MoE layers' EP exchanges that cannot be captured in a CUDA graph."""
-        from engine.layers.fused_moe import FusedMoE
-        return sorted({type(m._exchange(self.dtype)).__name__ for m in self.model.modules()
-                       if isinstance(m, FusedMoE) and m.expert_parallel and not m._exchange(self.dtype).capturable})
-
-    def _expert_load_tracker(self) -> ExpertLoadTracker | None:
-        from engine.layers.fused_moe import FusedMoE
-        from engine.layers.linear import shard_range
-        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
-        if not layers or not self.config.expert_load_window:
-            return None
-        state = get_parallel_state()
-        num_experts = layers[0].num_experts
-        ranges = [shard_range(num_experts, state.ep_size, rank) for rank in range(state.ep_size)]
-        return ExpertLoadTracker(layers, self.config.expert_load_window, ranges)
 
     def _kv_quant(self, layer: KVCacheLayer, num_blocks: int) -> KVCacheQuant | None:
         granularity = self.kv_scale_granularity
@@ -388,16 +372,7 @@ class ModelRunner:
     def step_needs_eager(self, scheduled: SchedulerOutput) -> bool:
         """Whether `scheduled` runs eagerly rather than from a decode graph (before it is launched): lockstep
         DP ranks run a step from graphs only where every rank can (engine/lockstep.py)."""
-        counts = scheduled.num_scheduled_tokens
-        if self.graphs is None or len(counts) > self.graphs.max_batch or any(n != 1 for n in counts.values()):
-            return True
-        new = {request.request_id: request for request in scheduled.new_requests}
-        for request_id in counts:  # a prompt position's logprobs come from an eager pass (HostInputs)
-            request = new.get(request_id) or self.requests[request_id]
-            params = request.sampling_params if request_id in new else request.params
-            if params.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens - 1:
-                return True
-        return False
+        return self.graphs is None or not self.graphs.can_replay(scheduled, self.requests)
 
     def _step_tokens(self, scheduled: SchedulerOutput) -> int:
         """The most tokens of this step on any rank of the EP group: every rank's MoE exchanges pad to it."""

@@ -130,3 +130,47 @@ def test_graph_run_fills_the_padded_sizes_buffers(max_model_len, monkeypatch):
     assert table[:, :2].tolist() == [[1, 2], [3, 4], [5, 6], [0, 0]]
     whole_rows = max_model_len == 128
     assert bool((table[:, 2:] == 0).all()) == whole_rows, "used columns leave the rest as it was (unread)"
+
+
+def test_an_ep_step_pads_to_the_groups_size_and_an_idle_rank_replays_padding_only(monkeypatch):
+    """Under expert parallelism every rank replays the graph of the largest rank's batch: a 3-request step
+    whose group agreed on 7 tokens runs size 8 with 3 real rows; an idle rank's dummy step replays size 8
+    with no real row (seq lens 1, no cache slots), and the graphs' MoE layers read those counts."""
+    import torch
+
+    from engine.runner.cuda_graphs import DecodeGraphs
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    graphs = DecodeGraphs(None, None, 16, 128, 8, torch.device("cpu"))
+    seen = []
+
+    class Replay:
+        def __init__(self, size):
+            self.size = size
+
+        def replay(self):
+            seen.append((self.size, int(graphs.valid_tokens), [v.clone() for v in graphs._views(self.size)]))
+
+    graphs.graphs = {size: Replay(size) for size in graphs.sizes}
+    graphs.outputs = {size: torch.zeros(size, 2) for size in graphs.sizes}
+    assert graphs.run(decode_batch([True, False, True]), torch.arange(70, 76), size=8).shape == (3, 2)
+    graphs.run_dummy(8)
+    (size, valid, views), (dummy_size, dummy_valid, dummy_views) = seen
+    assert (size, valid, dummy_size, dummy_valid) == (8, 3, 8, 0)
+    assert views[2].tolist()[3:] == [-1] * 5  # padding rows store nothing
+    assert dummy_views[2].tolist() == [-1] * 8 and dummy_views[4].tolist() == [1] * 8
+
+
+def test_only_decode_only_plans_within_the_graphs_can_replay():
+    import torch
+
+    from engine.core.scheduler_output import NewRequestData, SchedulerOutput
+    from engine.runner.cuda_graphs import DecodeGraphs
+    graphs = DecodeGraphs(None, None, 16, 128, 4, torch.device("cpu"))
+    running = {f"r{i}": RunnerRequest(f"r{i}", [1, 2, 3], 2, SamplingParams(), [0], 3) for i in range(5)}
+    assert graphs.can_replay(SchedulerOutput(num_scheduled_tokens={"r0": 1, "r1": 1}), running)
+    assert not graphs.can_replay(SchedulerOutput(num_scheduled_tokens={"r0": 1, "r1": 2}), running)  # a chunk
+    assert not graphs.can_replay(SchedulerOutput(num_scheduled_tokens={f"r{i}": 1 for i in range(5)}), running)
+    with_logprobs = NewRequestData("new", [4, 5, 6], 3, SamplingParams(prompt_logprobs=1), [1], 2)
+    assert graphs.can_replay(SchedulerOutput([with_logprobs], num_scheduled_tokens={"new": 1}), running)
+    with_logprobs.num_computed_tokens = 1  # a prompt position still to score
+    assert not graphs.can_replay(SchedulerOutput([with_logprobs], num_scheduled_tokens={"new": 1}), running)
