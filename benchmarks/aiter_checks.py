@@ -173,6 +173,13 @@ class OpChecks:
                 expected = self.reference.ops["fused_add_rms_norm"](x.clone(), residual.clone(), weight, 1e-6)
                 kind = "" if residual_dtype == torch.bfloat16 else " fp32 residual"
                 self.compare("fused_add_rms_norm", f"T={m} H={hidden}{kind}", got, expected, BF16)
+            for style in ("offset", "float32", "none"):
+                args = (x, None if style == "none" else weight, 1e-6, style)
+                self.compare("rms_norm_variant", f"T={m} H={hidden} {style}", self.aiter.ops["rms_norm_variant"](*args),
+                             self.reference.ops["rms_norm_variant"](*args), BF16)
+            gate = self.randn(m, hidden)
+            self.compare("rms_norm_gated", f"T={m} H={hidden}", self.aiter.ops["rms_norm_gated"](x, gate, weight, 1e-6),
+                         self.reference.ops["rms_norm_gated"](x, gate, weight, 1e-6), BF16)
 
     def rotary(self) -> None:
         num_heads, num_kv_heads, head_size = self.shapes.heads

@@ -27,6 +27,9 @@ OPS = (
     "fused_add_rms_norm",   # (x, residual, weight, eps) -> (normalised x + residual in the weight's dtype,
                             #   x + residual in the residual's dtype); x (possibly a float32 reduced sum) is
                             #   first rounded to the weight's dtype, as one device's GEMM rounds its output
+    "rms_norm_variant",     # (x, weight|None, eps, style) -> normalised x in x's dtype; style "offset" (1 + w),
+                            #   "float32" (w applied in float32), "none" (no weight), "llama" (= rms_norm)
+    "rms_norm_gated",       # (x, gate, weight, eps) -> w * norm(x) * silu(gate) (Gated DeltaNet's output norm)
     "rotary_embedding",     # (positions, q, k, cos_sin_cache, is_neox) -> (q, k), may be in place
     "silu_and_mul",         # (x[..., 2I]) -> silu(x[..., :I]) * x[..., I:]
     "gated_gemm",           # (x, weight[2I,K], bias|None) -> silu_and_mul(gemm(x, weight, bias)): the MLP's gate/up

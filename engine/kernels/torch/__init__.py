@@ -13,6 +13,8 @@ BACKEND = KernelBackend(
         "gemm_float32": ops.gemm_float32,
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
+        "rms_norm_variant": ops.rms_norm_variant,
+        "rms_norm_gated": ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
         "gated_gemm": ops.gated_gemm,

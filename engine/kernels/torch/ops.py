@@ -52,6 +52,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(weight.dtype)
 
 
+# RMSNorm variants beside Llama's (rms_norm): how the weight meets the normalised value, always from float32
+# statistics, the result rounded once to x's dtype.
+NORM_STYLES = ("llama", "offset", "float32", "none")
+
+
+def rms_norm_variant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str) -> torch.Tensor:
+    """style "offset": norm(x) * (1 + w) in float32 (Gemma 1-3, Qwen3-Next / Qwen3.5, weights stored as offsets
+    from one); "float32": norm(x) * w in float32 (Gemma 4, gpt-oss); "none": norm(x), no weight (Gemma 4's
+    v_norm); "llama": rms_norm's order (normalised value rounded first, then times w)."""
+    if style == "llama":
+        return rms_norm(x, weight, eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if style == "offset":
+        normed = normed * (1.0 + weight.float())
+    elif style == "float32":
+        normed = normed * weight.float()
+    elif style != "none":
+        raise ValueError(f"RMSNorm style {style!r} is unknown; one of {NORM_STYLES}")
+    return normed.to(x.dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated Delta Net's output norm (Qwen3-Next / Qwen3.5): w * norm(x), rounded to x's dtype first, times
+    silu(gate) in float32, rounded once more."""
+    normed = weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return (normed * F.silu(gate.float())).to(x.dtype)
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     # x, an activation or a float32 all-reduced sum, is rounded to the activations' dtype (the weight's) as
