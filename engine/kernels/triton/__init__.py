@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.registry import KernelBackend
+from engine.kernels.torch import ops as torch_ops
 from engine.kernels.triton import gemv, mla, moe, moe_quant, ops, quant
 from engine.kernels.triton.attention import TritonAttentionBackend
 from engine.kernels.triton.sampling import sample
@@ -21,6 +22,9 @@ BACKEND = KernelBackend(
         "gemm_float32": gemv.gemm_float32,
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
+        # The torch references: no GPU-served model uses these norm styles yet (issue 27 adds the families).
+        "rms_norm_variant": torch_ops.rms_norm_variant,
+        "rms_norm_gated": torch_ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
         "gated_gemm": gemv.gated_gemm,
