@@ -47,13 +47,19 @@ def _time_in_graph(reduce, x, rank: int) -> tuple[float, bool]:
     graph.replay()  # 1+2 summed 64 times is 3 * 2**63, exact in bf16
     torch.cuda.synchronize()
     exact = bool((y == 3.0 * 2.0 ** (GRAPH_CALLS - 1)).all())
+    return _us_per_op(graph), exact
+
+
+def _us_per_op(graph) -> float:
+    """Microseconds per op of a graph of GRAPH_CALLS ops, over REPLAYS replays."""
+    import torch
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(REPLAYS):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (REPLAYS * GRAPH_CALLS), exact
+    return start.elapsed_time(end) * 1000 / (REPLAYS * GRAPH_CALLS)
 
 
 def _time_chain(step, partial, residual) -> float:
@@ -72,13 +78,7 @@ def _time_chain(step, partial, residual) -> float:
             _, chained = step(partial, chained)
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (REPLAYS * GRAPH_CALLS)
+    return _us_per_op(graph)
 
 
 def _fused_entries(rank: int, world: int, parallel, device) -> list[dict]:

@@ -420,8 +420,11 @@ class FusedMoE(nn.Module):
             device = self.w13.device
             placement = ExpertPlacement(tuple(shard_range(self.num_experts, self.ep_size, rank)
                                               for rank in range(self.ep_size)), self.ep_rank)
+            # The most rows a rank sends: a step's tokens padded as engine.runner.cuda_graphs.padded_step_tokens
+            # pads them (to a multiple of 64 above the graphs), a slice per TP rank.
+            most = -(-state.max_num_batched_tokens // 64) * 64
             layout = ExchangeLayout(self.num_experts, self.hidden_size, self.router.top_k,
-                                    -(-state.max_num_batched_tokens // self.tp_size), dtype)
+                                    -(-most // self.tp_size), dtype)
             self._all_to_all = make_all_to_all(state.ep_group, placement,
                                                host_collectives=state.host_collectives or device.type == "cpu",
                                                form=state.expert_exchange, layout=layout, device=device,

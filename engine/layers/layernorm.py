@@ -27,8 +27,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual). `x` may be a row-parallel
         layer's PartialSum: reduced here, with the add and the norm in one kernel where it can."""
-        if isinstance(x, PartialSum):
-            if residual is not None:
+        if isinstance(x, PartialSum):  # the fused kernel computes Llama's style only
+            if residual is not None and self.style == "llama":
                 return tensor_parallel_all_reduce_add_norm(x.tensor, residual, self.weight, self.eps)
             x = tensor_parallel_all_reduce(x.tensor)
         if self.style != "llama":

@@ -155,10 +155,8 @@ class DecodeGraphs:
         return True
 
     def padded_size(self, batch: int) -> int | None:
-        for size in self.sizes:
-            if size >= batch:
-                return size
-        return None
+        size = padded_step_tokens(batch, self.sizes)
+        return size if size <= self.max_batch else None
 
     def run(self, host: HostInputs, last_sampled: torch.Tensor | None, size: int | None = None) -> torch.Tensor:
         """Hidden states [batch, hidden] of a decode-only step: its inputs in two copies into the padded size's

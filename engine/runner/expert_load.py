@@ -5,7 +5,8 @@ Each MoE layer adds its routing to a device counter inside the forward pass (no 
 is captured in CUDA graphs too). Every `window` steps the runner copies the counters to the host in the
 background; the report is the difference between the last two copies that reached the host. Counts are of
 (token, expert) pairs, summed over the layers; under expert parallelism each layer counts the whole EP
-group's routing (engine.parallel.all_to_all.ExpertAllToAll.count), so any rank's report covers every rank.
+group's routing (the `counts` of engine.parallel.all_to_all.ExpertAllToAll.dispatch), so any rank's report
+covers every rank.
 """
 from __future__ import annotations
 
