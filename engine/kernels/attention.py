@@ -3,6 +3,7 @@ metadata into what its kernels need, and runs paged attention (cache write inclu
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -30,9 +31,65 @@ class CommonAttentionMetadata:
     groups: dict = field(default_factory=dict)
     state_slots: torch.Tensor | None = None
     state_slots_cpu: list[int] = field(default_factory=list)
+    # Per group key: this metadata with the group's block table and slots (`for_group`), made once a step.
+    _group_views: dict = field(default_factory=dict, repr=False)
+
+    def for_group(self, key: tuple[int, int | None]):
+        """This step's metadata as a layer of cache group `key` reads it: the same batch, with that group's
+        block table and slot mapping (the metadata itself for the group it already carries). Built once
+        per step and group, then shared by every layer of the group."""
+        group = self.groups.get(key)
+        if group is None:
+            if key == (1, None) and not self.groups:  # a caller that built metadata without groups
+                return self
+            raise KeyError(f"the step has no paged cache group {key} (groups: {sorted(self.groups, key=str)}): "
+                           "a layer's cache spec and its attention options disagree")
+        if group.block_table is self.block_table and group.slot_mapping is self.slot_mapping:
+            return self
+        view = self._group_views.get(key)
+        if view is None:
+            view = dataclasses.replace(self, block_table=group.block_table, slot_mapping=group.slot_mapping,
+                                       _group_views={})
+            self._group_views[key] = view
+        return view
 
 
 Rope = tuple  # (positions [T], cos_sin_cache [max_position, rotary_dim], is_neox)
+
+
+@dataclass(eq=False)
+class AttentionOptions:
+    """What a layer's attention does beyond softmax(q k^T * scale) v, typed once per layer (a family sets
+    the fields it needs; the defaults are plain causal attention).
+
+    - `window`: a query sees only the `window` most recent keys, itself included (transformers'
+      convention: key position > query position - window). The layer's cache is then a window group's,
+      and kernels read only the blocks inside the window.
+    - `sinks`: float32 [num_heads], one learned logit per query head that joins every softmax's
+      denominator (gpt-oss): out = sum_j exp(s_j - m) v_j / (exp(sink - m) + sum_j exp(s_j - m)). A
+      split-K decode counts it once, in the reduction.
+    - `softcap`: scores (after `scale`) become softcap * tanh(scores / softcap) (Gemma 2)."""
+    window: int | None = None
+    sinks: torch.Tensor | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"a sliding window must be >= 1 token, got {self.window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"logit soft-capping needs a positive cap, got {self.softcap}")
+
+    @property
+    def is_plain(self) -> bool:
+        return self.window is None and self.sinks is None and self.softcap is None
+
+    @property
+    def cache_group(self) -> tuple[int, int | None]:
+        """The (ratio, window) of the paged group whose block table and slots the layer reads."""
+        return (1, self.window)
+
+
+PLAIN_ATTENTION = AttentionOptions()
 
 KV_SCALE_GRANULARITIES = ("tensor", "token")
 FP8_KV_MIN_SCALE = 1e-6 / 448.0  # a per-token scale never drops below this (an all-zero head vector)
@@ -117,9 +174,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata, scale: float, block_size: int, rope: Rope | None = None,
-                kv_quant: KVCacheQuant | None = None) -> torch.Tensor:
+                kv_quant: KVCacheQuant | None = None,
+                options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
         """Rotate queries and keys by `rope` when given (a backend may fuse this into its cache write; the
         rest call `apply_rope`), write this step's keys/values into the cache, then attend. query [T, H, D],
         key/value [T, Hk, D]; returns [T, H, D]. With `kv_quant` the cache is FP8 (`fp8_kv_dtype`): keys and
         values are quantized as they are written and dequantized as they are read; this step's own keys of a
-        prefill are read back from the cache, or used unquantized where that is exactly what is cached."""
+        prefill are read back from the cache, or used unquantized where that is exactly what is cached.
+        `options` (window, sinks, soft-capping): `metadata` is then already the layer's cache group's
+        (`CommonAttentionMetadata.for_group`)."""

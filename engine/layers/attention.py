@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.kernels import active_backend
-from engine.kernels.attention import KV_SCALE_GRANULARITIES, KVCacheQuant
+from engine.kernels.attention import KV_SCALE_GRANULARITIES, PLAIN_ATTENTION, AttentionOptions, KVCacheQuant
 from engine.kv_cache_spec import CacheSpec, PagedSpec
 
 
@@ -39,12 +39,21 @@ class KVCacheLayer(nn.Module):
 
 
 class Attention(KVCacheLayer):
-    """Multi-head / grouped-query attention; the cache layout is the attention backend's."""
+    """Multi-head / grouped-query attention; the cache layout is the attention backend's. `options`: a
+    sliding window (the layer's cache is then that window's group, whose block table and slots it reads
+    from the step's metadata), soft-capping; `num_sinks` > 0 adds the learned per-head sinks as the
+    parameter `sinks` (gpt-oss's `self_attn.sinks`, loaded by the model's weight names)."""
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 options: AttentionOptions = PLAIN_ATTENTION, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._sinks_loader
+            options = AttentionOptions(options.window, self.sinks, options.softcap)
+        self.options = options
         self.backend = active_backend().attention  # its layout is the "kv" cache's; the runner binds it
         # Per-tensor FP8 KV-cache scales from a checkpoint that has them (k_scale / v_scale), else 1.0.
         self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
@@ -57,7 +66,18 @@ class Attention(KVCacheLayer):
     def cache_specs(self) -> dict[str, CacheSpec]:
         def layout(num_blocks: int, block_size: int) -> tuple[int, ...]:
             return self.backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_size)
-        return {"kv": PagedSpec((2, self.num_kv_heads, self.head_size), layout=layout)}
+        window = self.options.window
+        return {"kv": PagedSpec((2, self.num_kv_heads, self.head_size), layout=layout, window=window,
+                                kind="sliding_window" if window else "attention")}
+
+    def _sinks_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The checkpoint's sinks of every head (a TP rank keeps its own heads')."""
+        from engine.parallel import get_parallel_state
+        state = get_parallel_state()
+        if loaded.numel() != self.num_heads * state.tp_size:
+            raise ValueError(f"attention sinks: expected {self.num_heads * state.tp_size} (one per head), "
+                             f"got shape {tuple(loaded.shape)}")
+        param.data.copy_(loaded.float().reshape(state.tp_size, self.num_heads)[state.tp_rank])
 
     def kv_scale_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return self.backend.kv_scale_shape(num_blocks, block_size, self.num_kv_heads)
@@ -72,11 +92,16 @@ class Attention(KVCacheLayer):
         """rope: (positions, cos_sin_cache, is_neox) to rotate queries and keys first (see
         RotaryEmbedding.rope_args); the backend may fuse the rotation into its KV-cache write."""
         context = get_forward_context()
-        if context.attn_metadata is None:  # a lockstep dummy step: nothing to attend to, nothing to cache
+        metadata = context.attn_metadata
+        if metadata is None:  # a lockstep dummy step: nothing to attend to, nothing to cache
             return query.new_zeros(query.shape[0], self.num_heads * self.head_size)
+        options = self.options
+        if options.window is not None:
+            metadata = metadata.for_group(options.cache_group)
+        extra = {} if options is PLAIN_ATTENTION else {"options": options}
         out = self.backend.forward(
             query.view(-1, self.num_heads, self.head_size),
             key.view(-1, self.num_kv_heads, self.head_size),
             value.view(-1, self.num_kv_heads, self.head_size),
-            self.kv_cache, context.attn_metadata, self.scale, context.block_size, rope, kv_quant=self.kv_quant)
+            self.kv_cache, metadata, self.scale, context.block_size, rope, kv_quant=self.kv_quant, **extra)
         return out.view(-1, self.num_heads * self.head_size)

@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata, KVCacheQuant, apply_rope
+from engine.kernels.attention import (PLAIN_ATTENTION, AttentionBackend, AttentionOptions, CommonAttentionMetadata,
+                                     KVCacheQuant, apply_rope)
 
 
 def cache_views(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, block_size: int):
@@ -69,7 +70,11 @@ class AiterAttentionBackend(AttentionBackend):
 
     @staticmethod
     def forward(query, key, value, kv_cache, metadata: CommonAttentionMetadata, scale, block_size, rope=None,
-                kv_quant: KVCacheQuant | None = None):
+                kv_quant: KVCacheQuant | None = None, options: AttentionOptions = PLAIN_ATTENTION):
+        if not options.is_plain:  # `declines` sends such models to Triton at start-up; this is a guard
+            raise NotImplementedError("the aiter attention backend has no sliding window, sinks or soft-capping "
+                                      "(pa_fwd_asm and the mapped prefill kernel take neither); such layers run "
+                                      "on the Triton backend")
         import aiter
         query, key = apply_rope(query, key, rope)
         num_tokens, num_heads, head_size = query.shape
