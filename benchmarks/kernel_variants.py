@@ -152,8 +152,8 @@ def plan_length_splits() -> None:
     from engine.kernels.triton import decode_attention
     plan = decode_attention.decode_plan
 
-    def decode_plan(metadata, num_kv_heads, block_n):
-        num_splits, _ = plan(metadata, num_kv_heads, block_n)
+    def decode_plan(metadata, num_kv_heads, block_n, window=None):
+        num_splits, _ = plan(metadata, num_kv_heads, block_n, window)
         num_tiles = -(-metadata.max_decode_seq_len // block_n)
         return num_splits, -(-num_tiles // num_splits)  # the plan's split length as every sequence's minimum
     decode_attention.decode_plan = decode_plan

@@ -15,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import AttentionBackend, CommonAttentionMetadata, KVCacheQuant, apply_rope
+from engine.kernels.attention import (PLAIN_ATTENTION, AttentionBackend, AttentionOptions, CommonAttentionMetadata,
+                                     KVCacheQuant, apply_rope)
 from engine.kernels.triton import decode_attention, pdl, workspace
 from engine.kernels.triton.common import (FP8_KV_DTYPE, interpreting, key_scores, kv_quant_args, paged_rows,
-                                          rope_coefficients, rotated, store_kv_rows, weighted_values)
+                                          rope_coefficients, rotated, soft_capped, store_kv_rows, weighted_values,
+                                          with_sinks)
 
 _LOG2E = 1.4426950408889634
 
@@ -96,10 +98,14 @@ def _rope_cache_write_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_
 @triton.jit
 def _prefill_tile(acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt,
                   sk_t, sk_h, sv_t, sv_h, kv_start, num_kv_heads, kv_head, start, seq_len, query_pos, dims, scale_log2,
+                  lo, window, softcap_log2,
                   HEAD_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  PAGED: tl.constexpr, CAUSAL_MASK: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST: tl.constexpr):
+                  PAGED: tl.constexpr, CAUSAL_MASK: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST: tl.constexpr,
+                  WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One tile of keys for a tile of queries; tokens before `lo` (the first key of the tile's earliest
+    query's window) are neither read nor counted."""
     tokens = start + tl.arange(0, BLOCK_N)
-    valid = tokens < seq_len
+    valid = (tokens < seq_len) & (tokens >= lo)
     if PAGED:
         rows = paged_rows(block_table_ptr, seq, stride_bt, tokens, valid, num_kv_heads, kv_head, PAGE_SIZE)
         k_offsets = (rows * HEAD_SIZE)[:, None]
@@ -111,11 +117,19 @@ def _prefill_tile(acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_ta
     kv_mask = valid[:, None] & (dims < HEAD_SIZE)
     k = tl.load(k_ptr + k_offsets + dims, mask=kv_mask, other=0.0)
     s = key_scores(q, k, k_scale_ptr, rows, valid, scale_log2, KV_QUANT, UPCAST)
+    if SOFTCAP:
+        s = soft_capped(s, softcap_log2)
     if CAUSAL_MASK:
-        s = tl.where((tokens[None, :] <= query_pos[:, None]) & valid[None, :], s, float("-inf"))
+        visible = (tokens[None, :] <= query_pos[:, None]) & valid[None, :]
+        if WINDOWED:  # the query's `window` most recent keys, its own included
+            visible = visible & (tokens[None, :] > query_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m - m_new)
+    m_ref = m_new
+    if WINDOWED:  # a row may see no key of a tile yet (its window starts later): no -inf - -inf
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m - m_ref)
     v = tl.load(v_ptr + v_offsets + dims, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + weighted_values(p, v, v_scale_ptr, rows, valid, q.dtype, KV_QUANT, UPCAST)
     l = l * alpha + tl.sum(p, axis=1)
@@ -124,11 +138,12 @@ def _prefill_tile(acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_ta
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, query_start_ptr, seq_lens_ptr,
-                    block_table_ptr, first_seq, num_kv_heads, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, stride_bt,
-                    scale_log2,
+                    block_table_ptr, sinks_ptr, first_seq, num_kv_heads, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+                    stride_bt, scale_log2, window, softcap_log2,
                     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    PAGED: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                    PAGED: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST: tl.constexpr, WINDOWED: tl.constexpr,
+                    SINKS: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         pdl.enter()
     # Heads vary fastest across the grid, so programs that share a KV head run together and share K/V in L2.
@@ -157,19 +172,30 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, quer
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     if KV_QUANT == "tensor":  # the key scale joins the softmax scale, the value scale multiplies the output
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
-    # Keys before the tile's first query position are visible to every row: no mask there.
-    unmasked_end = (context_len + m_start) // BLOCK_N * BLOCK_N
     end = tl.minimum(seq_len, context_len + m_start + BLOCK_M)
-    for start in range(0, unmasked_end, BLOCK_N):
-        acc, m, l = _prefill_tile(
-            acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt,
-            sk_t, sk_h, sv_t, sv_h, q_start, num_kv_heads, kv_head, start, seq_len, query_pos, dims, scale_log2,
-            HEAD_SIZE, BLOCK_N, PAGE_SIZE, PAGED, False, KV_QUANT, UPCAST)
-    for start in range(unmasked_end, end, BLOCK_N):
-        acc, m, l = _prefill_tile(
-            acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt,
-            sk_t, sk_h, sv_t, sv_h, q_start, num_kv_heads, kv_head, start, seq_len, query_pos, dims, scale_log2,
-            HEAD_SIZE, BLOCK_N, PAGE_SIZE, PAGED, True, KV_QUANT, UPCAST)
+    if WINDOWED:  # only the tiles from the earliest row's window on, every one masked
+        lo = tl.maximum(context_len + m_start - window + 1, 0)
+        for start in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
+            acc, m, l = _prefill_tile(
+                acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt,
+                sk_t, sk_h, sv_t, sv_h, q_start, num_kv_heads, kv_head, start, seq_len, query_pos, dims, scale_log2,
+                lo, window, softcap_log2, HEAD_SIZE, BLOCK_N, PAGE_SIZE, PAGED, True, KV_QUANT, UPCAST, True, SOFTCAP)
+    else:
+        # Keys before the tile's first query position are visible to every row: no mask there.
+        unmasked_end = (context_len + m_start) // BLOCK_N * BLOCK_N
+        for start in range(0, unmasked_end, BLOCK_N):
+            acc, m, l = _prefill_tile(
+                acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt,
+                sk_t, sk_h, sv_t, sv_h, q_start, num_kv_heads, kv_head, start, seq_len, query_pos, dims, scale_log2,
+                0, window, softcap_log2, HEAD_SIZE, BLOCK_N, PAGE_SIZE, PAGED, False, KV_QUANT, UPCAST, False, SOFTCAP)
+        for start in range(unmasked_end, end, BLOCK_N):
+            acc, m, l = _prefill_tile(
+                acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq, stride_bt,
+                sk_t, sk_h, sv_t, sv_h, q_start, num_kv_heads, kv_head, start, seq_len, query_pos, dims, scale_log2,
+                0, window, softcap_log2, HEAD_SIZE, BLOCK_N, PAGE_SIZE, PAGED, True, KV_QUANT, UPCAST, False, SOFTCAP)
+    if SINKS:
+        heads = head + tl.zeros([BLOCK_M], tl.int32)
+        acc, l = with_sinks(acc, m, l, sinks_ptr, heads, heads >= 0)
     out = acc / l[:, None]
     if KV_QUANT == "tensor":
         out = out * tl.load(v_scale_ptr)
@@ -188,7 +214,9 @@ def _tile_sizes(head_size: int, element_size: int, fp8_cache: bool = False) -> t
         return (16 if fp8_cache else 64 if d_pad <= 64 else 32), 16, 8
     if d_pad <= 128:
         return 64, 64, 4
-    return 64, 32, 8
+    if d_pad <= 256:
+        return 64, 32, 8
+    return 32, 32, 8  # 512-wide heads (Gemma 4's global layers): a [32, 512] fp32 accumulator; not yet timed
 
 
 def _rope_and_cache_write(query, key, value, k_cache, v_cache, slot_mapping, rope, head_size, d_pad,
@@ -231,7 +259,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def forward(query, key, value, kv_cache, metadata: TritonAttentionMetadata, scale, block_size, rope=None,
-                kv_quant: KVCacheQuant | None = None):
+                kv_quant: KVCacheQuant | None = None, options: AttentionOptions = PLAIN_ATTENTION):
         num_tokens, num_heads, head_size = query.shape
         num_kv_heads = key.shape[1]
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -258,7 +286,7 @@ class TritonAttentionBackend(AttentionBackend):
                 # A decode-only step (every CUDA-graph step): rotation, cache write and attention in one launch.
                 decode_attention.fused_decode(query, key, value, k_cache, v_cache, out, metadata, rope, group,
                                               head_size, d_pad, block_n, num_warps, scale_log2, block_size, upcast,
-                                              kv_quant)
+                                              kv_quant, options=options)
                 return out
             quant, k_scale, v_scale = kv_quant_args(kv_quant, k_cache)
             if rope is not None:  # one kernel: rotate queries in place, rotated keys and values to the cache
@@ -273,15 +301,17 @@ class TritonAttentionBackend(AttentionBackend):
             k_src, v_src = k_cache, v_cache
             if metadata.num_decodes:
                 decode_attention.decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_size,
-                                        d_pad, block_n, num_warps, scale_log2, block_size, upcast, kv_quant)
+                                        d_pad, block_n, num_warps, scale_log2, block_size, upcast, kv_quant,
+                                        options=options)
         if metadata.num_prefills:
             grid = (num_heads, triton.cdiv(metadata.max_query_len, block_m), metadata.num_prefills)
+            extra = decode_attention.option_args(options, out)
             _prefill_kernel[grid](
                 query, k_src, v_src, k_scale, v_scale, out, metadata.query_start_loc, metadata.seq_lens,
-                metadata.block_table, metadata.num_decodes, num_kv_heads, query.stride(0), query.stride(1),
-                k_src.stride(0), k_src.stride(1), v_src.stride(0), v_src.stride(1), out.stride(0), out.stride(1),
-                metadata.block_table.stride(0), scale_log2,
+                metadata.block_table, extra["sinks"], metadata.num_decodes, num_kv_heads, query.stride(0),
+                query.stride(1), k_src.stride(0), k_src.stride(1), v_src.stride(0), v_src.stride(1), out.stride(0),
+                out.stride(1), metadata.block_table.stride(0), scale_log2, extra["window"], extra["softcap_log2"],
                 GROUP=group, HEAD_SIZE=head_size, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                PAGE_SIZE=block_size, PAGED=kv_cache is not None, KV_QUANT=quant, UPCAST=upcast,
+                PAGE_SIZE=block_size, PAGED=kv_cache is not None, KV_QUANT=quant, UPCAST=upcast, **extra["flags"],
                 num_warps=num_warps, num_stages=2, **pdl.launch_options(query))
         return out

@@ -17,6 +17,7 @@ from engine.kernels.attention import FP8_KV_MIN_SCALE, KVCacheQuant, fp8_max
 FP8_KV_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = tl.constexpr(fp8_max(FP8_KV_DTYPE))
 _MIN_SCALE = tl.constexpr(FP8_KV_MIN_SCALE)
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
 
 
 def interpreting() -> bool:
@@ -79,6 +80,24 @@ def kv_quant_args(kv_quant: KVCacheQuant | None, cache: torch.Tensor) -> tuple[s
         assert scales.dtype == torch.float32 and scales.is_contiguous() and scales.numel() == rows, \
             (kv_quant.granularity, scales.shape, scales.dtype)
     return kv_quant.granularity, kv_quant.k_scale, kv_quant.v_scale
+
+
+@triton.jit
+def soft_capped(s, cap):
+    """cap * tanh(s / cap) (logit soft-capping; scores and cap both in the log2 domain), with tanh written
+    through exp2, which every Triton version has: tanh(x) = 1 - 2 / (exp(2x) + 1)."""
+    return cap - 2 * cap / (tl.math.exp2(s / cap * (2 * LOG2E)) + 1)
+
+
+@triton.jit
+def with_sinks(acc, m, l, sinks_ptr, heads, valid):
+    """An online softmax's unnormalised output [R, D], running max and running sum [R] with each row's
+    attention sink (a natural-log logit per head, at `heads` [R]; rows not `valid` are padding) joined to
+    the sum: the final output is then acc / l."""
+    sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32) * LOG2E
+    m_new = tl.maximum(m, sink)
+    alpha = tl.math.exp2(m - m_new)
+    return acc * alpha[:, None], l * alpha + tl.math.exp2(sink - m_new)
 
 
 @triton.jit
