@@ -38,10 +38,10 @@ class CommonAttentionMetadata:
         """This step's metadata as a layer of cache group `key` reads it: the same batch, with that group's
         block table and slot mapping (the metadata itself for the group it already carries). Built once
         per step and group, then shared by every layer of the group."""
+        if not self.groups:  # a pass without a cache (profiling, a cache-less prefill): no tables to read
+            return self
         group = self.groups.get(key)
         if group is None:
-            if key == (1, None) and not self.groups:  # a caller that built metadata without groups
-                return self
             raise KeyError(f"the step has no paged cache group {key} (groups: {sorted(self.groups, key=str)}): "
                            "a layer's cache spec and its attention options disagree")
         if group.block_table is self.block_table and group.slot_mapping is self.slot_mapping:

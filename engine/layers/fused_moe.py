@@ -120,9 +120,15 @@ class Router(nn.Module):
     router weight is float32 (GLM-4.5, DeepSeek-V3: `weight_dtype=torch.float32`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool,
-                 weight_dtype: torch.dtype | None = None) -> None:
+                 weight_dtype: torch.dtype | None = None, logit_bias: bool = False) -> None:
+        """`logit_bias`: a learned bias added to every logit (gpt-oss's router is a biased linear layer)."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=weight_dtype), requires_grad=False)
+        if logit_bias:
+            self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            self.bias.weight_loader = lambda param, loaded: param.data.copy_(loaded.float())
+        else:
+            self.register_parameter("bias", None)
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                         requires_grad=False)
@@ -136,6 +142,8 @@ class Router(nn.Module):
             logits = torch.nn.functional.linear(x.float(), self.weight.float())
         else:
             logits = ops.gemm_float32(x, self.weight)
+        if self.bias is not None:
+            logits = logits + self.bias
         if expert_ids is not None:
             return fixed_route_weights(logits, config, expert_ids), expert_ids.to(torch.int32)
         return ROUTERS[config.kind](logits, config, self.e_score_correction_bias)
@@ -144,16 +152,26 @@ class Router(nn.Module):
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, router: RouterConfig,
                  shared_experts: nn.Module | None = None, shared_expert_gate: bool = False,
-                 router_dtype: torch.dtype | None = None, swiglu_limit: float | None = None) -> None:
+                 router_dtype: torch.dtype | None = None, swiglu_limit: float | None = None,
+                 expert_bias: bool = False, oai_alpha: float | None = None, router_bias: bool = False,
+                 checkpoint_layout: str = "halves") -> None:
         """`shared_experts`: an MLP run on every token beside the routed experts, built with an unreduced
         row-parallel down projection (its partial sum is reduced together with the routed experts').
         `swiglu_limit`: the routed experts clamp gate <= limit and up to [-limit, limit] before silu(gate) * up
-        (DeepSeek-V4), full-precision or quantized."""
+        (DeepSeek-V4), full-precision or quantized.
+        gpt-oss: `expert_bias` (w13_bias [E, 2I], w2_bias [E, H]), `oai_alpha` (the activation
+        (up + 1) * gate * sigmoid(alpha * gate)), `router_bias` (a biased router), and
+        `checkpoint_layout="gpt_oss"`: fused gate/up tensors interleave gate and up rows (gate 2j, up 2j + 1),
+        and unquantized fused tensors are stored [E, in, out] (transposed)."""
         super().__init__()
         _check_router(router, num_experts)
         state = get_parallel_state()
         self.router = router
         self.swiglu_limit = swiglu_limit
+        self.oai_alpha = oai_alpha
+        if checkpoint_layout not in ("halves", "gpt_oss"):
+            raise ValueError(f"unknown fused-experts checkpoint layout {checkpoint_layout!r}")
+        self.checkpoint_layout = checkpoint_layout
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.expert_parallel = state.expert_parallel
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
@@ -164,8 +182,18 @@ class FusedMoE(nn.Module):
         else:
             self.expert_start, self.num_local_experts = 0, num_experts
             self.i_start, self.local_intermediate = shard_range(intermediate_size, self.tp_size, self.tp_rank)
-        self.gate = Router(num_experts, hidden_size, router.correction_bias, router_dtype)
+        self.gate = Router(num_experts, hidden_size, router.correction_bias, router_dtype, logit_bias=router_bias)
         self.set_quant_scheme(building_experts_scheme())
+        if expert_bias:
+            self.w13_bias = new_param((self.num_local_experts, 2 * self.local_intermediate), fill=0.0)
+            # The down projection's bias is added once: by the rank holding the expert's output sum.
+            self.w2_bias = new_param((self.num_local_experts, hidden_size), fill=0.0)
+            for param in (self.w13_bias, self.w2_bias):
+                param.weight_loader = self.expert_weight_loader
+                param.check_loaded = self._missing_experts
+        else:
+            self.register_parameter("w13_bias", None)
+            self.register_parameter("w2_bias", None)
         self.shared_experts = shared_experts
         # Qwen2-MoE style: sigmoid(x . g) scales the shared experts' output.
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1) if shared_expert_gate else None
@@ -213,10 +241,10 @@ class FusedMoE(nn.Module):
 
     EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
                              r"(weight|weight_scale|weight_scale_inv|input_scale)$")
-    FUSED_NAME = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_blocks|_scales|_scale_inv)?$")
+    FUSED_NAME = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_blocks|_scales|_scale_inv|_bias)?$")
     PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
     ROLE = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale", "input_scale": "_input_scale",
-            None: "", "_blocks": "", "_scales": "_scale", "_scale_inv": "_scale"}
+            None: "", "_blocks": "", "_scales": "_scale", "_scale_inv": "_scale", "_bias": "_bias"}
 
     @classmethod
     def checkpoint_target(cls, name: str) -> tuple[str, tuple] | None:
@@ -262,6 +290,9 @@ class FusedMoE(nn.Module):
                 param is self.w2_scale and self.quant_scheme.method == "fp8_channel":
             loaded = loaded.reshape(*loaded.shape[:-2], -1) if loaded.shape[-1:] == (1,) else loaded
         local = slice(self.expert_start, self.expert_start + self.num_local_experts)
+        if param is self.w13_bias or param is self.w2_bias:
+            self._load_biases(param, loaded, shard)
+            return
         if shard[0] == "fused":
             if per_tensor and is_scale:  # one scale per expert ([E]), for gate and up alike
                 _check_shape(loaded, (self.num_experts,), "fused per-tensor expert scales")
@@ -271,12 +302,15 @@ class FusedMoE(nn.Module):
                 loaded = loaded.flatten(2)
             if loaded.shape[0] != self.num_experts:
                 raise ValueError(f"fused experts have {loaded.shape[0]} experts, expected {self.num_experts}")
+            gpt_oss = self.checkpoint_layout == "gpt_oss"
             for e in range(self.num_local_experts):
                 expert = loaded[self.expert_start + e]
+                if gpt_oss and self.quant_scheme is None and (param is self.w13 or param is self.w2):
+                    expert = expert.t()  # stored [in, out]
                 if param is self.w13 or param is self.w13_scale:
-                    half = expert.shape[0] // 2
-                    self._load_expert_part(param, e, "gate", expert[:half])
-                    self._load_expert_part(param, e, "up", expert[half:])
+                    gate, up = self._gate_and_up(expert)
+                    self._load_expert_part(param, e, "gate", gate)
+                    self._load_expert_part(param, e, "up", up)
                 else:
                     self._load_expert_part(param, e, "down", expert)
             return
@@ -292,6 +326,30 @@ class FusedMoE(nn.Module):
             target.copy_(loaded.float().reshape(()))
             return
         self._load_expert_part(param, e, part, loaded)
+
+    def _gate_and_up(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An expert's fused gate/up rows split: gate rows then up rows, or (gpt-oss) interleaved."""
+        if self.checkpoint_layout == "gpt_oss":
+            return fused[0::2], fused[1::2]
+        half = fused.shape[0] // 2
+        return fused[:half], fused[half:]
+
+    def _load_biases(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple) -> None:
+        """gpt-oss's fused expert biases: gate_up_proj_bias [E, 2I] (this rank's intermediate slice of gate and
+        of up) and down_proj_bias [E, H] (kept by one TP rank only: the partial sums are reduced)."""
+        if shard[0] != "fused":
+            raise ValueError("expert biases are read from fused [experts, ...] tensors only")
+        width = 2 * self.intermediate_size if param is self.w13_bias else self.hidden_size
+        _check_shape(loaded, (self.num_experts, width), "fused expert biases")
+        for e in range(self.num_local_experts):
+            expert = loaded[self.expert_start + e]
+            if param is self.w13_bias:
+                I, start = self.local_intermediate, self.i_start
+                gate, up = self._gate_and_up(expert)
+                param.data[e, :I].copy_(gate[start:start + I])
+                param.data[e, I:].copy_(up[start:start + I])
+            elif self.expert_parallel or self.tp_rank == 0:
+                param.data[e].copy_(expert)
 
     def _load_expert_part(self, param: nn.Parameter, e: int, part: str, loaded: torch.Tensor) -> None:
         """One expert's gate, up or down tensor (full intermediate size) -> this rank's slice of it."""
@@ -354,9 +412,14 @@ class FusedMoE(nn.Module):
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         op, w13, w2 = ((getattr(ops, self.quant_scheme.moe_op), self.q13, self.q2) if self.q13 is not None
                        else (ops.fused_experts, self.w13, self.w2))
-        if self.swiglu_limit is not None:  # only then: backends without a clamp decline such models at start-up
-            return op(x, w13, w2, weights, ids, swiglu_limit=self.swiglu_limit)
-        return op(x, w13, w2, weights, ids)
+        extra = {}  # only what is set: backends without a feature decline such models at start-up
+        if self.swiglu_limit is not None:
+            extra["swiglu_limit"] = self.swiglu_limit
+        if self.w13_bias is not None:
+            extra.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
+        if self.oai_alpha is not None:
+            extra["oai_alpha"] = self.oai_alpha
+        return op(x, w13, w2, weights, ids, **extra)
 
     def count_expert_load(self, enabled: bool = True) -> None:
         self.load_counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=self.w13.device) \

@@ -10,6 +10,7 @@ _MODELS = {
     "DeepseekV32ForCausalLM": ("engine.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "DeepseekV4ForCausalLM": ("engine.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "Glm4MoeForCausalLM": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     "GlmMoeDsaForCausalLM": ("engine.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "MiniMaxM2ForCausalLM": ("engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),

@@ -97,13 +97,15 @@ class LlamaDecoderLayer(nn.Module):
     between layers (see ops.fused_add_rms_norm); the GEMMs' inputs and outputs stay in the activations'
     dtype."""
 
-    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, residual_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, residual_dtype: torch.dtype | None = None,
+                 make_norm=RMSNorm) -> None:
+        """`make_norm(hidden_size, eps)`: the family's norm (RMSNorm by default; gpt-oss: float32 weights)."""
         super().__init__()
         self.residual_dtype = residual_dtype  # None: the embedding's (the activations') dtype
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(config.hidden_size, config.rms_norm_eps)
         # Both blocks' outputs go to an RMSNorm with the residual (this layer's, the next layer's or the
         # model's final one), which reduces their row-parallel sums in the same kernel.
         for block, name in ((self_attn, "o_proj"), (mlp, "down_proj")):
@@ -123,13 +125,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, build_attention, build_mlp, residual_dtype: torch.dtype | None = None) -> None:
-        """`build_attention(layer index)` and `build_mlp(layer index)` make each layer's blocks."""
+    def __init__(self, config, build_attention, build_mlp, residual_dtype: torch.dtype | None = None,
+                 make_norm=RMSNorm) -> None:
+        """`build_attention(layer index)` and `build_mlp(layer index)` make each layer's blocks;
+        `make_norm(hidden_size, eps)` every norm of the decoder stack (the layers' and the final one)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, build_attention(i), build_mlp(i), residual_dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, build_attention(i), build_mlp(i), residual_dtype,
+                                                      make_norm)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
@@ -149,14 +154,20 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    norm_style = "llama"  # a family's RMSNorm style (engine.layers.layernorm.RMSNorm)
+
     def __init__(self, config, residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.build_attention, self.build_mlp, residual_dtype=residual_dtype)
+        self.model = LlamaModel(config, self.build_attention, self.build_mlp, residual_dtype=residual_dtype,
+                                make_norm=self.make_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_norm(self, hidden_size: int, eps: float) -> nn.Module:
+        return RMSNorm(hidden_size, eps, style=self.norm_style)
 
     @staticmethod
     def attention_flags(config, bias: bool) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.quant import QuantizedWeight, dequantize_weight, expert_slice, fake_quantize_activations
-from engine.kernels.torch.moe import each_expert
+from engine.kernels.torch.moe import each_expert, with_bias
 
 
 def gemm_quantized(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -20,12 +20,15 @@ def gemm_quantized(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
 
 
 def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
-                            ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+                            ids: torch.Tensor, swiglu_limit: float | None = None,
+                            w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                            oai_alpha: float | None = None) -> torch.Tensor:
     """`fused_experts` (engine/kernels/torch/moe.py) with quantized expert weights: each expert's GEMMs as
     `gemm_quantized` (its activations quantized as its scheme says), the intermediate rounded to x's dtype.
     `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up to [-limit, limit] before the SiLU, on the
-    gate/up GEMM's rounded output, as the full-precision op does."""
+    gate/up GEMM's rounded output, as the full-precision op does; biases and `oai_alpha` (gpt-oss) as there."""
     return each_expert(x, weights, ids, w2.in_features,
-                       lambda rows, e: gemm_quantized(rows, expert_slice(w13, e)),
-                       lambda rows, e: gemm_quantized(rows, expert_slice(w2, e), out_dtype=torch.float32),
-                       swiglu_limit)
+                       with_bias(lambda rows, e: gemm_quantized(rows, expert_slice(w13, e)), w13_bias),
+                       with_bias(lambda rows, e: gemm_quantized(rows, expert_slice(w2, e), out_dtype=torch.float32),
+                                 w2_bias),
+                       swiglu_limit, oai_alpha)
