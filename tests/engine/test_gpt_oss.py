@@ -14,7 +14,7 @@ from engine.loader import build_model, resolve_model
 
 WINDOW = 8
 CONFIG = dict(
-    hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    hidden_size=64, intermediate_size=64,  # multiples of 32: MXFP4 groups num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, sliding_window=WINDOW, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
     swiglu_limit=1.5,  # low enough that the random activations reach the clamp
     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
@@ -123,3 +123,42 @@ def test_greedy_tokens_through_paged_window_groups(gpt_oss_dir, chunk):
     groups = {(g["ratio"], g["window"]): g for g in llm.engine.stats()["kv_cache_groups"]}
     assert set(groups) == {(1, None), (1, WINDOW)}
     assert all(g["num_free_blocks"] == g["num_blocks"] for g in groups.values())  # nothing leaked
+
+
+def test_published_mxfp4_layout_loads_as_its_dequantized_weights(gpt_oss_dir, tmp_path):
+    """The hub's MXFP4 experts (gate/up rows interleaved, [E, out, in / 32, 16] blocks with [E, out, in / 32]
+    scales) give the tokens of the same model with the dequantized weights in the bf16 layout: the loader
+    reads the interleave and the blocks as the checkpoint means them."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.kernels.quant import QuantScheme, dequantize_weight, quantize_weight
+    scheme = QuantScheme("mxfp4", "none")
+    tensors = load_file(str(gpt_oss_dir / "model.safetensors"))
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stored = tensors[name].transpose(1, 2).contiguous()  # [E, in, out] -> [E, out, in], rows still interleaved
+        qw = quantize_weight(stored, scheme)
+        del quantized[name]
+        quantized[f"{name}_blocks"] = qw.weight.unflatten(-1, (-1, 16))
+        quantized[f"{name}_scales"] = qw.scale
+        dequantized[name] = dequantize_weight(qw).float().transpose(1, 2).contiguous()
+    folders = {}
+    for kind, weights in (("mxfp4", quantized), ("dequantized", dequantized)):
+        folder = tmp_path / kind
+        shutil.copytree(gpt_oss_dir, folder)
+        save_file(weights, str(folder / "model.safetensors"))
+        if kind == "mxfp4":
+            config = json.loads((folder / "config.json").read_text())
+            config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+            (folder / "config.json").write_text(json.dumps(config))
+        folders[kind] = folder
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {kind: [o.token_ids for o in LLM(str(folder), dtype="float32", show_progress=False).generate(PROMPTS, params)]
+              for kind, folder in folders.items()}
+    assert tokens["mxfp4"] == tokens["dequantized"]
+    # The dequantized model is still a gpt-oss that transformers runs: our tokens are its tokens.
+    assert tokens["dequantized"][0] == tiny_models.hf_greedy(folders["dequantized"], PROMPTS[0], 16)

@@ -211,10 +211,49 @@ def clamp_swiglu(gate, up, limit):
 
 
 @triton.jit
+def add_gate_up_bias(gate, up, b13_ptr, expert, stride_be, features, feature_mask, inter, dtype: tl.constexpr):
+    """gpt-oss: gate and up as the reference's biased GEMM gives them: rounded to the activations' dtype, plus
+    the expert's gate and up biases (b13 [E, 2I]: gate then up), rounded again."""
+    base = b13_ptr + expert.to(tl.int64) * stride_be
+    gate_bias = tl.load(base + features, mask=feature_mask, other=0.0).to(tl.float32)
+    up_bias = tl.load(base + inter + features, mask=feature_mask, other=0.0).to(tl.float32)
+    gate = (gate.to(dtype).to(tl.float32) + gate_bias[None, :]).to(dtype).to(tl.float32)
+    up = (up.to(dtype).to(tl.float32) + up_bias[None, :]).to(dtype).to(tl.float32)
+    return gate, up
+
+
+@triton.jit
+def store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI: tl.constexpr):
+    """act = silu(gate) * up, or (OAI, gpt-oss) (up + 1) * gate * sigmoid(alpha * gate), each operation rounded
+    to the activations' dtype as the reference's."""
+    if OAI:
+        dt = act_ptr.dtype.element_ty
+        gate = gate.to(dt).to(tl.float32)
+        up = up.to(dt).to(tl.float32)
+        scaled = (gate * alpha).to(dt).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dt).to(tl.float32)
+        glu = (gate * sig).to(dt).to(tl.float32)
+        up1 = (up + 1.0).to(dt).to(tl.float32)
+        tl.store(act_ptr + pairs.to(tl.int64)[:, None] * inter + features[None, :], (up1 * glu).to(dt),
+                 mask=valid[:, None] & feature_mask[None, :])
+    else:
+        store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter)
+
+
+@triton.jit
+def add_down_bias(acc, b2_ptr, expert, stride_be, features, feature_mask, dtype: tl.constexpr):
+    """gpt-oss: an expert's down output as the reference gives it: the GEMM rounded to the activations'
+    dtype, plus the expert's bias in float32 (rounded once more where it is stored)."""
+    bias = tl.load(b2_ptr + expert.to(tl.int64) * stride_be + features, mask=feature_mask, other=0.0)
+    return acc.to(dtype).to(tl.float32) + bias.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
-                    top_k, stride_x, stride_we, stride_wn, num_n_blocks, limit,
+                    top_k, stride_x, stride_we, stride_wn, num_n_blocks, limit, b13_ptr, stride_be, alpha,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                    USE_PDL: tl.constexpr, CLAMP: tl.constexpr = False):
+                    USE_PDL: tl.constexpr, CLAMP: tl.constexpr = False, BIAS: tl.constexpr = False,
+                    OAI: tl.constexpr = False):
     """act[pair, n] = silu(gate) * up for one [BLOCK_M pairs, BLOCK_N features] tile of one expert, where
     gate and up are the rows n and I + n of w13[e] against x[pair // top_k]; CLAMP: gate <= limit and
     -limit <= up <= limit first (equal to clamping after the rounding when limit is a number of the dtype)."""
@@ -242,9 +281,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
         w_mask = k_mask[:, None] & feature_mask[None, :]
         gate += dot(a, tl.load(gate_cols + k, mask=w_mask, other=0.0), UPCAST)
         up += dot(a, tl.load(up_cols + k, mask=w_mask, other=0.0), UPCAST)
+    if BIAS:
+        gate, up = add_gate_up_bias(gate, up, b13_ptr, expert, stride_be, features, feature_mask, inter,
+                                    act_ptr.dtype.element_ty)
     if CLAMP:
         gate, up = clamp_swiglu(gate, up, limit)
-    store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter)
+    store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI)
 
 
 @triton.jit
@@ -261,9 +303,9 @@ def store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, 
 
 @triton.jit
 def _down_kernel(act_ptr, w2_ptr, expert_out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
-                 stride_we, stride_wn, num_n_blocks,
+                 stride_we, stride_wn, num_n_blocks, b2_ptr, stride_be,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, BIAS: tl.constexpr = False):
     """expert_out[pair, n] = act[pair] . w2[e, n] for one [BLOCK_M pairs, BLOCK_N features] tile of one
     expert, rounded to the activations' dtype as the reference's per-expert GEMM returns it."""
     if USE_PDL:
@@ -285,6 +327,8 @@ def _down_kernel(act_ptr, w2_ptr, expert_out_ptr, sorted_pairs_ptr, block_expert
         a = tl.load(act_rows + k, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + k, mask=k_mask[:, None] & feature_mask[None, :], other=0.0)
         acc += dot(a, w, UPCAST)
+    if BIAS:
+        acc = add_down_bias(acc, b2_ptr, expert, stride_be, features, feature_mask, expert_out_ptr.dtype.element_ty)
     tl.store(expert_out_ptr + pairs.to(tl.int64)[:, None] * hidden + features[None, :],
              acc.to(expert_out_ptr.dtype.element_ty), mask=valid[:, None] & feature_mask[None, :])
 
@@ -312,7 +356,9 @@ PAIR_OUTPUT_BUDGET_BYTES = 256 << 20
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, tiles: MoeTiles | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, tiles: MoeTiles | None = None, swiglu_limit: float | None = None,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  oai_alpha: float | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * w2[e] @ (silu(gate) * up)(w13[e] @ x[t]), e = ids[t, k] (-1: nothing), in x's
     dtype: the pairs grouped by expert, one grouped GEMM for gate/up with SiLU-and-mul in its epilogue, one
     for the down projection, then a combine kernel that weights and sums each token's k expert outputs.
@@ -324,7 +370,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     product kept unrounded for the sum would have to be stored in float32, twice the bytes of this round
     trip (at 4096 tokens of Qwen3-30B-A3B, 268 MB more written and read per layer).
 
-    `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up to [-limit, limit] before the SiLU."""
+    `swiglu_limit` (DeepSeek-V4, gpt-oss): gate clamped to <= limit and up to [-limit, limit] before the
+    activation; gpt-oss's `w13_bias` / `w2_bias` (added in the GEMMs' epilogues) and `oai_alpha` (its
+    activation, `gated_epilogue`)."""
     num_tokens, hidden = x.shape
     assert w13.shape[1] == 2 * w2.shape[2] and w13.shape[2] == w2.shape[1] == hidden, (w13.shape, w2.shape)
     assert w13.stride(2) == 1 and w2.stride(2) == 1 and w13.dtype == w2.dtype == x.dtype
@@ -333,13 +381,27 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     for start in range(0, num_tokens, chunk):
         stop = min(num_tokens, start + chunk)
         _fused_experts_chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles,
-                             swiglu_limit)
+                             swiglu_limit, w13_bias, w2_bias, oai_alpha)
     return out
+
+
+def gated_epilogue(swiglu_limit: float | None, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                   oai_alpha: float | None, like: torch.Tensor) -> tuple[tuple, dict, tuple, dict]:
+    """The gate/up and down kernels' epilogue arguments and constexprs: the clamp, the biases (any tensor
+    where there are none) and the activation."""
+    assert (w13_bias is None) == (w2_bias is None), "both expert biases or neither"
+    b13 = w13_bias if w13_bias is not None else like
+    b2 = w2_bias if w2_bias is not None else like
+    bias = w13_bias is not None
+    return ((float(swiglu_limit or 0.0), b13, b13.stride(0) if bias else 0, float(oai_alpha or 0.0)),
+            dict(CLAMP=swiglu_limit is not None, BIAS=bias, OAI=oai_alpha is not None),
+            (b2, b2.stride(0) if bias else 0), dict(BIAS=bias))
 
 
 def _fused_experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                          ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles | None,
-                         swiglu_limit: float | None = None) -> None:
+                         swiglu_limit: float | None = None, w13_bias: torch.Tensor | None = None,
+                         w2_bias: torch.Tensor | None = None, oai_alpha: float | None = None) -> None:
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = ids.shape[1]
@@ -354,15 +416,18 @@ def _fused_experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     pdl_options = pdl.launch_options(x)
     launch = dict(UPCAST=x.dtype != torch.float32 and x.device.type == "cpu", num_warps=tiles.num_warps,
                   num_stages=tiles.num_stages, **pdl_options)
+    gate_up_args, gate_up_flags, down_args, down_flags = gated_epilogue(swiglu_limit, w13_bias, w2_bias, oai_alpha,
+                                                                        x)
     n_blocks = triton.cdiv(inter, tiles.gate_up_block_n)
     _gate_up_kernel[(num_blocks * n_blocks,)](
         x, w13, act, sorted_pairs, block_expert, num_pairs, hidden, inter, top_k, x.stride(0), w13.stride(0),
-        w13.stride(1), n_blocks, float(swiglu_limit or 0.0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_block_n,
-        BLOCK_K=tiles.gate_up_block_k, CLAMP=swiglu_limit is not None, **launch)
+        w13.stride(1), n_blocks, *gate_up_args, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_block_n,
+        BLOCK_K=tiles.gate_up_block_k, **gate_up_flags, **launch)
     n_blocks = triton.cdiv(hidden, tiles.down_block_n)
     _down_kernel[(num_blocks * n_blocks,)](
         act, w2, expert_out, sorted_pairs, block_expert, num_pairs, hidden, inter, w2.stride(0), w2.stride(1),
-        n_blocks, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, **launch)
+        n_blocks, *down_args, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
+        **down_flags, **launch)
     combine(expert_out, weights, ids, out)
 
 

@@ -34,10 +34,10 @@ W8A8_EXPERTS = True  # past 16 pairs per expert, FP8 experts multiply FP8 activa
 @triton.jit
 def _gate_up_kernel(x_ptr, x_scale_ptr, w13_ptr, w13_scale_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
                     num_pairs, hidden, inter, top_k, stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn,
-                    num_n_blocks, limit, METHOD: tl.constexpr, ACT: tl.constexpr, BLOCK_SN: tl.constexpr,
-                    BLOCK_SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FAST_FP8: tl.constexpr = False,
-                    CLAMP: tl.constexpr = False):
+                    num_n_blocks, limit, b13_ptr, stride_be, alpha, METHOD: tl.constexpr, ACT: tl.constexpr,
+                    BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FAST_FP8: tl.constexpr = False,
+                    CLAMP: tl.constexpr = False, BIAS: tl.constexpr = False, OAI: tl.constexpr = False):
     """moe._gate_up_kernel with quantized w13[e] (rows n and I + n: gate and up) and activations as ACT says;
     CLAMP: gate <= limit and -limit <= up <= limit after the scales, before the SiLU (as moe._gate_up_kernel)."""
     if USE_PDL:
@@ -77,17 +77,21 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w13_ptr, w13_scale_ptr, act_ptr, sorted_
                         up_scale, METHOD, ACT, UPCAST, FAST_FP8)
     gate = scale_output(gate, x_scale_ptr, a_index, s_base, features, feature_mask, METHOD, ACT)
     up = scale_output(up, x_scale_ptr, a_index, s_base, inter + features, feature_mask, METHOD, ACT)
+    if BIAS:
+        gate, up = moe.add_gate_up_bias(gate, up, b13_ptr, expert, stride_be, features, feature_mask, inter,
+                                        act_ptr.dtype.element_ty)
     if CLAMP:
         gate, up = moe.clamp_swiglu(gate, up, limit)
-    moe.store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, inter)
+    moe.store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI)
 
 
 @triton.jit
 def _down_kernel(act_ptr, act_scale_ptr, w2_ptr, w2_scale_ptr, expert_out_ptr, sorted_pairs_ptr, block_expert_ptr,
                  num_pairs, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_se, stride_sn,
-                 num_n_blocks, METHOD: tl.constexpr, ACT: tl.constexpr, BLOCK_SN: tl.constexpr,
+                 num_n_blocks, b2_ptr, stride_be, METHOD: tl.constexpr, ACT: tl.constexpr, BLOCK_SN: tl.constexpr,
                  BLOCK_SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FAST_FP8: tl.constexpr = False):
+                 UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FAST_FP8: tl.constexpr = False,
+                 BIAS: tl.constexpr = False):
     """moe._down_kernel with quantized w2[e] and activations as ACT says."""
     if USE_PDL:
         pdl.enter()
@@ -118,13 +122,17 @@ def _down_kernel(act_ptr, act_scale_ptr, w2_ptr, w2_scale_ptr, expert_out_ptr, s
                                 BLOCK_K)
         acc = accumulate(acc, a, a_scale, w, w_scale, METHOD, ACT, UPCAST, FAST_FP8)
     acc = scale_output(acc, act_scale_ptr, rows * stride_as, s_base, features, feature_mask, METHOD, ACT)
+    if BIAS:
+        acc = moe.add_down_bias(acc, b2_ptr, expert, stride_be, features, feature_mask,
+                                expert_out_ptr.dtype.element_ty)
     tl.store(expert_out_ptr + pairs.to(tl.int64)[:, None] * hidden + features[None, :],
              acc.to(expert_out_ptr.dtype.element_ty), mask=valid[:, None] & feature_mask[None, :])
 
 
 def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
                             ids: torch.Tensor, tiles: moe.MoeTiles | None = None,
-                            swiglu_limit: float | None = None) -> torch.Tensor:
+                            swiglu_limit: float | None = None, w13_bias: torch.Tensor | None = None,
+                            w2_bias: torch.Tensor | None = None, oai_alpha: float | None = None) -> torch.Tensor:
     """`fused_experts` with quantized experts w13 [E, 2I, H] and w2 [E, H, I] (one scheme for both): the ops
     fused_experts_fp8 and fused_experts_mxfp4. `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up
     to [-limit, limit] before the SiLU."""
@@ -136,12 +144,14 @@ def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: Quantized
     chunk = max(1, moe.PAIR_OUTPUT_BUDGET_BYTES // (ids.shape[1] * hidden * x.element_size()))
     for start in range(0, num_tokens, chunk):
         stop = min(num_tokens, start + chunk)
-        _chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles, swiglu_limit)
+        _chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles,
+               moe.gated_epilogue(swiglu_limit, w13_bias, w2_bias, oai_alpha, x))
     return out
 
 
 def _chunk(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
-           out: torch.Tensor, tiles: moe.MoeTiles | None, swiglu_limit: float | None = None) -> None:
+           out: torch.Tensor, tiles: moe.MoeTiles | None, epilogue: tuple) -> None:
+    gate_up_args, gate_up_flags, down_args, down_flags = epilogue
     num_tokens, hidden = x.shape
     scheme = w13.scheme
     w13_weight, w13_scale = operands(w13)
@@ -167,16 +177,16 @@ def _chunk(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: 
     _gate_up_kernel[(num_blocks * n_blocks,)](
         a, a if a_scale is None else a_scale, w13_weight, w13_scale, act, sorted_pairs, block_expert, num_pairs,
         hidden, inter, top_k, a.stride(0), _row_stride(a_scale), w13_weight.stride(0), w13_weight.stride(1),
-        _row_stride(w13_scale), _scale_row_stride(w13_scale), n_blocks, float(swiglu_limit or 0.0), ACT=act_code,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_block_n, BLOCK_K=tiles.gate_up_block_k,
-        CLAMP=swiglu_limit is not None, **launch)
+        _row_stride(w13_scale), _scale_row_stride(w13_scale), n_blocks, *gate_up_args, ACT=act_code,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_block_n, BLOCK_K=tiles.gate_up_block_k, **gate_up_flags,
+        **launch)
     a, a_scale, act_code = quantize_activations(act, w2, w8a8, tensor_per_token=True)
     n_blocks = triton.cdiv(hidden, tiles.down_block_n)
     _down_kernel[(num_blocks * n_blocks,)](
         a, a if a_scale is None else a_scale, w2_weight, w2_scale, expert_out, sorted_pairs, block_expert,
         num_pairs, hidden, inter, a.stride(0), _row_stride(a_scale), w2_weight.stride(0), w2_weight.stride(1),
-        _row_stride(w2_scale), _scale_row_stride(w2_scale), n_blocks, ACT=act_code, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, **launch)
+        _row_stride(w2_scale), _scale_row_stride(w2_scale), n_blocks, *down_args, ACT=act_code, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k, **down_flags, **launch)
     moe.combine(expert_out, weights, ids, out)
 
 
