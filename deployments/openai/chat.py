@@ -25,6 +25,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     max_tokens = body.requested_max_tokens
     params = body.to_sampling_params(max_tokens, body.engine_logprobs)
     async with ctx.admitted(body.model, params.n) as ticket:
+        _refuse_media(ctx, body)
         messages = [message.to_template_dict() for message in body.messages]
         try:  # off the event loop: templating and tokenizing a long conversation must not stall other streams
             token_ids = await asyncio.to_thread(ctx.client.tokenizer.encode_chat, messages)
@@ -37,6 +38,14 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         response = _ChatResponder(ctx, body, len(token_ids), f"chatcmpl-{uuid.uuid4().hex}")
         return await ctx.run(ticket, raw_request, arrival_time, [token_ids], params, response.id, body.stream,
                              response.full, response.events)
+
+
+def _refuse_media(ctx: ServingContext, body: ChatCompletionRequest) -> None:
+    """No model served here takes images, audio or video: refused by name, never dropped silently."""
+    for index, message in enumerate(body.messages):
+        if message.media_kinds:
+            raise bad_request(f"this server serves the text stack of {ctx.served_model_name} only; "
+                              f"{message.media_kinds[0]} input is not supported", f"messages.{index}.content")
 
 
 class _ChatResponder:

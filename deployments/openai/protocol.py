@@ -6,7 +6,7 @@ field, rather than silently ignored."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, ClassVar, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -214,25 +214,52 @@ class TextContentPart(_StrictRequest):
     text: str
 
 
+# Content-part types that carry media (OpenAI's chat and Responses APIs, vLLM's) -> the kind of input.
+MEDIA_PART_KINDS = {"image_url": "image", "input_image": "image", "image": "image",
+                    "input_audio": "audio", "audio_url": "audio", "audio": "audio",
+                    "video_url": "video", "input_video": "video", "video": "video"}
+
+
+class MediaContentPart(_StrictRequest):
+    """An image, audio or video part: accepted by the schema only to be refused by name (chat.py), since no
+    model served here takes media (a multimodal checkpoint serves its text stack)."""
+    type: Literal[tuple(MEDIA_PART_KINDS)]
+
+    @property
+    def kind(self) -> str:
+        return MEDIA_PART_KINDS[self.type]
+
+
+ContentPart = Annotated[TextContentPart | MediaContentPart, Field(discriminator="type")]
+
+
 class ChatMessage(_StrictRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _only_text_parts(cls, value: Any) -> Any:
+    def _only_text_and_media_parts(cls, value: Any) -> Any:
         if isinstance(value, list):
             for part in value:
-                if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                if isinstance(part, dict) and part.get("type") not in ("text", None, *MEDIA_PART_KINDS):
                     raise ValueError(f"content parts of type {part.get('type')!r} are not supported; "
                                      "this model takes text parts only")
         return value
+
+    @property
+    def media_kinds(self) -> list[str]:
+        """The kinds of this message's media parts ("image", "audio", "video"), in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.kind for part in self.content if isinstance(part, MediaContentPart)]
 
     def to_template_dict(self) -> dict[str, str]:
         """The message as the chat template expects it (text content, 'developer' spelled 'system')."""
         content = self.content
         if isinstance(content, list):
+            assert not self.media_kinds, "media parts are refused before templating"
             content = "\n".join(part.text for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:

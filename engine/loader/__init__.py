@@ -48,7 +48,9 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     else:
         from engine.loader import safetensors
         files = safetensors.checkpoint_files(source.path)
-        load_weights(model, safetensors.iter_weights(files), safetensors.count_tensors(files), show_progress, plan)
+        rename = source.text_stack.weight_name if source.text_stack is not None else None
+        load_weights(model, safetensors.iter_weights(files, rename), safetensors.count_tensors(files, rename),
+                     show_progress, plan)
     finish_loading(model)
     if plan is not None:
         log_plan(model, plan)

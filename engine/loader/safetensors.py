@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -25,21 +25,26 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def count_tensors(files: list[Path]) -> int:
+def count_tensors(files: list[Path], rename: Callable[[str], str | None] | None = None) -> int:
     from safetensors import safe_open
     total = 0
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            total += len(f.keys())
+            total += sum(1 for name in f.keys() if rename is None or rename(name) is not None)
     return total
 
 
-def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(files: list[Path], rename: Callable[[str], str | None] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor; with `rename`, (rename(name), tensor), and tensors it maps to None are
+    skipped unread (a multimodal checkpoint's vision tower)."""
     from safetensors import SafetensorError, safe_open
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    target = rename(name) if rename is not None else name
+                    if target is not None:
+                        yield target, f.get_tensor(name)
         except SafetensorError as exc:
             raise ModelSourceError(f"{path} is not a readable safetensors file: {exc}") from exc

@@ -30,6 +30,9 @@ class ModelSource:
     format: str  # "safetensors" | "gguf" | "dummy"
     hf_config: object
     gguf: object | None = field(default=None, repr=False)  # engine.loader.gguf.GGUFCheckpoint
+    # A multimodal checkpoint's text stack (engine.loader.multimodal.TextStack): hf_config is its config,
+    # and only its tensors load.
+    text_stack: object | None = None
 
     @property
     def folder(self) -> Path:
@@ -66,18 +69,25 @@ def resolve_model(model: str, load_format: str = "auto", hf_overrides: dict | No
         return ModelSource(model, gguf_file, "dummy" if load_format == "dummy" else "gguf", config, checkpoint)
     if not path.is_dir():
         raise ModelSourceError(f"model {model!r} is a file but not a .gguf file; give an HF folder or a .gguf file")
-    config = load_hf_config(path)
+    config, text_stack = _read_hf_config(path)
     _apply_overrides(config, hf_overrides)
     if load_format == "dummy":
-        return ModelSource(model, path, "dummy", config)
+        return ModelSource(model, path, "dummy", config, text_stack=text_stack)
     if not list(path.glob("*.safetensors")):
         found = sorted(p.name for p in path.iterdir())[:20]
         raise ModelSourceError(f"no *.safetensors weights in {path} (found: {found}); "
                                "use load_format='dummy' for random weights")
-    return ModelSource(model, path, "safetensors", config)
+    return ModelSource(model, path, "safetensors", config, text_stack=text_stack)
 
 
 def load_hf_config(folder: Path):
+    """config.json read with transformers' config classes; a multimodal wrapper's is its text stack's."""
+    return _read_hf_config(folder)[0]
+
+
+def _read_hf_config(folder: Path):
+    """(config, the text stack of a multimodal wrapper or None)."""
+    from engine.loader.multimodal import text_config_fields, text_stack_of
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelSourceError(f"{folder} has no config.json; an HF model folder needs one")
@@ -89,12 +99,26 @@ def load_hf_config(folder: Path):
         raise ModelSourceError(f"{config_path} has no 'model_type'; is it a transformers config?")
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    text_stack = text_stack_of(raw)
+    if text_stack is not None:  # the wrapper's own model_type may need its remote code: never read as a whole
+        fields = text_config_fields(raw, text_stack)
+        if fields["model_type"] not in CONFIG_MAPPING:
+            config = _config_by_architecture(fields)
+            if config is None:
+                raise ModelSourceError(f"the text_config of {config_path} has model_type "
+                                       f"{fields['model_type']!r}, which transformers does not know")
+            return config, text_stack
+        try:
+            return AutoConfig.for_model(**fields), text_stack
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ModelSourceError(f"transformers could not read the text_config of {config_path} "
+                                   f"({fields['model_type']}): {exc}") from exc
     if raw["model_type"] not in CONFIG_MAPPING:
         config = _config_by_architecture(raw)
         if config is not None:
-            return config
+            return config, None
     try:
-        return AutoConfig.from_pretrained(str(folder))
+        return AutoConfig.from_pretrained(str(folder)), None
     except (ValueError, KeyError, OSError, TypeError) as exc:
         raise ModelSourceError(f"transformers could not read {config_path}: {exc}") from exc
 

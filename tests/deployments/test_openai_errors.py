@@ -59,7 +59,9 @@ BAD_REQUESTS = [
     ("message role unknown", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),
     ("message content a number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "content"),
     ("image content part", CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "image_url"),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "image input is not supported"),
+    ("file content part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "file", "file": {}}]}]), 400,
+     "'file'"),
     ("messages longer than the context", CHAT, chat(messages=[{"role": "user", "content": LONG_TEXT}]), 400,
      "context length"),
     ("top_logprobs 30", CHAT, chat(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
@@ -97,6 +99,29 @@ def test_bad_requests_never_reach_the_engine_and_the_server_carries_on(server, i
     assert response.choices[0].message.content
     stats = wait_idle(idle_engine)
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+@pytest.mark.parametrize("part, kind", [
+    (IMAGE, "image"), ({"type": "input_image", "image_url": "http://x/y.png"}, "image"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio"),
+    ({"type": "video_url", "video_url": {"url": "http://x/y.mp4"}}, "video"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_media_part_is_refused_naming_the_text_stack_served(server, part, kind, stream):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    error = assert_openai_error(server.post(CHAT, data=chat(messages=messages, stream=stream)), 400)
+    assert error["message"] == f"this server serves the text stack of {MODEL} only; {kind} input is not supported"
+    assert error["param"] == "messages.1.content" and error["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_the_image_refusal_as_bad_request(server):
+    with pytest.raises(openai.BadRequestError, match="image input is not supported"):
+        server.openai.chat.completions.create(model=server.model, max_tokens=3, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Describe it."}, IMAGE]}])
 
 
 def test_unknown_route_and_wrong_method_get_openai_errors(server):
