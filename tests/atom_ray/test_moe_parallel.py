@@ -246,3 +246,19 @@ def test_independent_dp_ranks_expert_loads_add_up():
     merged = merge_expert_loads(loads)
     assert merged["tokens_per_expert"] == [4, 2, 2, 0] and merged["tokens"] == 8 and merged["window_steps"] == 60
     assert merged["expert_imbalance"] == 4 * 4 / 8
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "tp2-ep"])
+def test_gpt_oss_over_two_ranks_matches_single_process(ray_cluster, tmp_path_factory, layout):
+    """gpt-oss's per-head sinks split with the heads, the q/k/v biases with their heads, the o and expert down
+    biases added once (by one TP rank, or the expert's EP rank), the window group on both ranks."""
+    import tiny_models
+    folder = str(tiny_models.make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss_tp")))
+    prompts = PROMPTS + [list(range(3, 40))]  # longer than the window
+    reference = [o.token_ids for o in LLM(folder, dtype="float32", show_progress=False).generate(prompts, GREEDY)]
+    engine = atom_ray.start(folder, dtype="float32", **layout)
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
+    finally:
+        engine.shutdown()

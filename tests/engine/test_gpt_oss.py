@@ -12,41 +12,13 @@ from engine import LLM, SamplingParams
 from engine.kernels.attention import AttentionOptions
 from engine.loader import build_model, resolve_model
 
-WINDOW = 8
-CONFIG = dict(
-    hidden_size=64, intermediate_size=64,  # multiples of 32: MXFP4 groups num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, sliding_window=WINDOW, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
-    swiglu_limit=1.5,  # low enough that the random activations reach the clamp
-    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
+WINDOW = tiny_models.GPT_OSS_CONFIG["sliding_window"]
 PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(50, 75)), [100] * 9 + [200]]
-
-
-def make_gpt_oss(folder, seed=0):
-    """A tiny gpt-oss with every bias, sink and norm weight random (transformers starts some at 0 or 1)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_models.build_tokenizer(folder)
-    config = AutoConfig.for_model(
-        "gpt_oss", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, initializer_range=0.2,
-        tie_word_embeddings=False, rms_norm_eps=1e-5, **CONFIG)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("_bias", "router.bias", "sinks")):
-                param.copy_(torch.randn(param.shape) * (1.0 if name.endswith("sinks") else 0.2))
-            elif "norm" in name:
-                param.copy_(1 + torch.randn(param.shape) * 0.2)
-    assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
 
 
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory):
-    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
+    return tiny_models.make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
 
 
 def engine_logits(folder, prompt, edit=None):
