@@ -327,6 +327,13 @@ class FusedMoE(nn.Module):
             return
         self._load_expert_part(param, e, part, loaded)
 
+    def full_precision_rows(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A full-precision fused expert tensor with its output rows first ([E, out, in]), as quantizing it
+        online needs: gpt-oss stores its unquantized experts [E, in, out]."""
+        if self.checkpoint_layout == "gpt_oss" and leaf in ("w13", "w2") and tensor.dim() == 3:
+            return tensor.transpose(1, 2)
+        return tensor
+
     def _gate_and_up(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An expert's fused gate/up rows split: gate rows then up rows, or (gpt-oss) interleaved."""
         if self.checkpoint_layout == "gpt_oss":

@@ -145,6 +145,9 @@ def online_quantized(model: nn.Module, name: str, param: nn.Parameter, tensor: t
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
     scheme = module.quant_scheme
+    to_rows = getattr(module, "full_precision_rows", None)  # a layout stored [in, out] (gpt-oss's experts)
+    if to_rows is not None:
+        tensor = to_rows(leaf, tensor)
     weight, scale = quantize_for_loading(tensor, scheme)
     if leaf == "weight":  # a layer's weight_scale and input_scale sit beside its weight
         scale_name, input_name = f"{module_name}.weight_scale", f"{module_name}.input_scale"

@@ -63,7 +63,8 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path, llama_dir):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not supported; supported architectures: DeepseekV2ForCausalLM, "
                        "DeepseekV32ForCausalLM, DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Glm4MoeForCausalLM, "
-                       "GlmMoeDsaForCausalLM, LlamaForCausalLM, MiniMaxM2ForCausalLM, MixtralForCausalLM, Qwen2"):
+                       "GlmMoeDsaForCausalLM, GptOssForCausalLM, LlamaForCausalLM, MiniMaxM2ForCausalLM, "
+                       "MixtralForCausalLM, Qwen2"):
         LLM(str(tmp_path), show_progress=False)
 
 

@@ -132,5 +132,14 @@ def test_published_mxfp4_layout_loads_as_its_dequantized_weights(gpt_oss_dir, tm
     tokens = {kind: [o.token_ids for o in LLM(str(folder), dtype="float32", show_progress=False).generate(PROMPTS, params)]
               for kind, folder in folders.items()}
     assert tokens["mxfp4"] == tokens["dequantized"]
+    # Quantizing the bf16 layout online (quantization="mxfp4", as dummy-weight benchmarks do) stores the very
+    # codes and scales of the published layout.
+    published = build_model(resolve_model(str(folders["mxfp4"])), torch.float32, torch.device("cpu"),
+                            show_progress=False)
+    online = build_model(resolve_model(str(gpt_oss_dir)), torch.float32, torch.device("cpu"), show_progress=False,
+                         quantization="mxfp4")
+    for ours, theirs in zip(online.model.layers, published.model.layers):
+        for name in ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias"):
+            assert torch.equal(getattr(ours.mlp, name), getattr(theirs.mlp, name)), name
     # The dequantized model is still a gpt-oss that transformers runs: our tokens are its tokens.
     assert tokens["dequantized"][0] == tiny_models.hf_greedy(folders["dequantized"], PROMPTS[0], 16)
