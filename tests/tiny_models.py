@@ -371,3 +371,32 @@ def make_tiny_gpt_oss(folder: Path, seed: int = 0) -> Path:
     assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+# Gemma 4 (dense): sliding layers (window 8, heads of 16, 2 KV heads) and full layers (heads of 32, 1 KV head,
+# K as V, proportional RoPE over a quarter of the pairs), soft-capped logits.
+GEMMA4_CONFIG = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    hidden_size_per_layer_input=0, final_logit_softcapping=3.0, max_position_embeddings=512)
+
+
+def make_tiny_gemma4(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny Gemma4ForCausalLM with random norm weights and layer scalars (transformers starts them at 1)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    config = AutoConfig.for_model(
+        "gemma4_text", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, initializer_range=0.2,
+        rms_norm_eps=1e-6, **{**GEMMA4_CONFIG, **overrides})
+    config.architectures = ["Gemma4ForCausalLM"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name and name.endswith("weight") or name.endswith("layer_scalar"):
+                tensor.copy_(1 + torch.randn(tensor.shape) * 0.3)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder

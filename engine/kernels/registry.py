@@ -32,6 +32,7 @@ OPS = (
     "rms_norm_gated",       # (x, gate, weight, eps) -> w * norm(x) * silu(gate) (Gated DeltaNet's output norm)
     "rotary_embedding",     # (positions, q, k, cos_sin_cache, is_neox) -> (q, k), may be in place
     "silu_and_mul",         # (x[..., 2I]) -> silu(x[..., :I]) * x[..., I:]
+    "gelu_tanh_and_mul",    # (x[..., 2I]) -> gelu_tanh(x[..., :I]) * x[..., I:] (Gemma's gated MLP)
     "gated_gemm",           # (x, weight[2I,K], bias|None) -> silu_and_mul(gemm(x, weight, bias)): the MLP's gate/up
     "sample",               # (logits[B,V] fp32, SamplingTensors) -> token ids [B] int64
     # Mixture of experts (engine/kernels/torch/moe.py states the contracts):

@@ -9,6 +9,7 @@ _MODELS = {
     "DeepseekV3ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("engine.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "DeepseekV4ForCausalLM": ("engine.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "Gemma4ForCausalLM": ("engine.models.gemma4", "Gemma4ForCausalLM"),
     "Glm4MoeForCausalLM": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     "GlmMoeDsaForCausalLM": ("engine.models.deepseek_v32", "GlmMoeDsaForCausalLM"),

@@ -39,8 +39,7 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
     plan = resolve_quant_plan(hf_config, config.quantization)
     text = getattr(hf_config, "text_config", None) or hf_config
     heads = getattr(text, "num_attention_heads", 1) or 1
-    head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    shapes = attention_shapes(text, heads)
     window = getattr(text, "sliding_window", None)
     uses_window = bool(window) and getattr(text, "use_sliding_window", True) is not False
     mla = {}
@@ -49,11 +48,23 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
         state = get_parallel_state()
         mla = dict(mla_heads=shard_range(heads, state.tp_size, state.tp_rank)[1],
                    mla_entry=(int(text.kv_lora_rank), int(text.qk_rope_head_dim)))
-    return kernels.ModelFacts(**mla, clamped_experts=getattr(text, "swiglu_limit", None) is not None, head_sizes=(int(head_size),), gqa_ratios=(heads // max(kv_heads, 1),),
+    return kernels.ModelFacts(**mla, clamped_experts=getattr(text, "swiglu_limit", None) is not None, head_sizes=tuple(sorted({size for size, _ in shapes})),
+                              gqa_ratios=tuple(sorted({heads // max(kv, 1) for _, kv in shapes})),
                               sliding_window=uses_window, block_size=config.block_size, dtype=dtype,
                               fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales,
                               linear_quant=plan.default_linear if plan else None,
                               experts_quant=plan.default_experts if plan else None)
+
+
+def attention_shapes(text, heads: int) -> set[tuple[int, int]]:
+    """(head size, KV heads) of every attention layer: per layer where the config varies them (transformers'
+    heterogeneous configs: Gemma 4's wider full-attention heads), else the config's one shape."""
+    per_layer = getattr(text, "per_layer_config", None)
+    if per_layer is not None:
+        return {(int(per_layer[i].head_dim), int(per_layer[i].num_key_value_heads or heads))
+                for i in range(text.num_hidden_layers)}
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return {(int(head_size), int(getattr(text, "num_key_value_heads", None) or heads))}
 
 
 def _granularities(layer: KVCacheLayer) -> tuple[str, ...]:

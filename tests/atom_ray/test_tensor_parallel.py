@@ -22,6 +22,20 @@ def test_tp2_matches_single_process_on_tiny_models(ray_cluster, tiny_model_dirs,
         engine.shutdown()
 
 
+def test_tp2_gemma4_with_one_kv_head_on_its_full_layers_matches_single_process(ray_cluster, tmp_path_factory):
+    """Gemma 4: the full layers' single KV head (K as V) replicated on both ranks, the sliding layers' two
+    split, two cache groups of different head sizes on each rank."""
+    import tiny_models
+    folder = str(tiny_models.make_tiny_gemma4(tmp_path_factory.mktemp("gemma4_tp")))
+    prompts = PROMPTS + [list(range(3, 40))]  # longer than the window
+    expected = [o.token_ids for o in LLM(folder, dtype="float32", show_progress=False).generate(prompts, GREEDY)]
+    engine = atom_ray.start(folder, tensor_parallel_size=2, dtype="float32")
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+    finally:
+        engine.shutdown()
+
+
 def test_tp2_matches_single_process_on_smollm2_with_uneven_head_split(ray_cluster):
     """9 query heads and 3 KV heads over 2 ranks: 6 + 3 heads, whole GQA groups per rank."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

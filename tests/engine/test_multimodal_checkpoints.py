@@ -144,13 +144,13 @@ def test_text_weight_under_an_unmapped_prefix_is_a_missing_weight(tmp_path, text
 
 
 def test_wrapper_of_an_unimplemented_text_family_is_refused_naming_the_text_architecture(tmp_path):
-    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
-              "text_config": {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 2},
-              "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32}}
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 2},
+              "vision_config": {"model_type": "qwen3_5_vision", "hidden_size": 32}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_file({"model.language_model.embed_tokens.weight": torch.zeros(4, 64)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"architecture Gemma4ForCausalLM \(the text stack of "
-                                         r"Gemma4ForConditionalGeneration\) is not supported; supported architectures"):
+    with pytest.raises(ValueError, match=r"architecture Qwen3_5ForCausalLM \(the text stack of "
+                                         r"Qwen3_5ForConditionalGeneration\) is not supported; supported architectures"):
         LLM(str(tmp_path), show_progress=False)
 
 

@@ -17,6 +17,7 @@ BACKEND = KernelBackend(
         "rms_norm_gated": ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
+        "gelu_tanh_and_mul": ops.gelu_tanh_and_mul,
         "gated_gemm": ops.gated_gemm,
         "sample": sample,
         "moe_topk_softmax": moe.moe_topk_softmax,

@@ -141,3 +141,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]

@@ -197,7 +197,25 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr, US
     tl.store(out_ptr + row * half + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """gelu_tanh(gate) * up, the GELU (0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))) rounded to the
+    activation dtype before the product, as F.gelu(x, approximate="tanh") * y is in torch."""
+    if USE_PDL:
+        pdl.enter()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < half
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    gelu = (0.5 * g * (1.0 + tanh)).to(gate.dtype)
+    tl.store(out_ptr + row * half + cols, (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def _gated_activation(kernel, x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
@@ -206,6 +224,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 0 or half == 0:
         return out
     block = min(1024, triton.next_power_of_2(half))
-    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(half, block))](
+    kernel[(rows.shape[0], triton.cdiv(half, block))](
         rows, out, half, rows.stride(0), BLOCK=block, num_warps=_num_warps(block), **pdl.launch_options(out))
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated_activation(_silu_and_mul_kernel, x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated_activation(_gelu_tanh_and_mul_kernel, x)

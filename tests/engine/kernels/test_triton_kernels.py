@@ -136,6 +136,14 @@ def test_silu_and_mul_matches_reference(dtype):
     assert_matches(ops.silu_and_mul(x), reference.silu_and_mul(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_tanh_and_mul_matches_reference(dtype):
+    x = randn(2, 13, 2 * (2816 if ON_GPU else 96), dtype=dtype) * 3
+    expected = reference.gelu_tanh_and_mul(x)
+    assert_matches(ops.gelu_tanh_and_mul(x), expected, dtype)
+    assert not torch.allclose(expected.float(), reference.silu_and_mul(x).float(), atol=0.05)  # not SiLU
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("head_size,rotary_dim", [(64, 64), (128, 64), (96, 48)])
