@@ -400,3 +400,36 @@ def make_tiny_gemma4(folder: Path, seed: int = 0, **overrides) -> Path:
                 tensor.copy_(1 + torch.randn(tensor.shape) * 0.3)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+# Qwen3-Next: three Gated DeltaNet layers then a gated full-attention layer, 2 key heads of 4 value heads each,
+# MoE with a gated shared expert (layer 1 dense), partial RoPE.
+QWEN3_NEXT_CONFIG = dict(
+    hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
+    norm_topk_prob=True, max_position_embeddings=512)
+
+
+def make_tiny_qwen3_next(folder: Path, seed: int = 0, model_type: str = "qwen3_next", **overrides) -> Path:
+    """A tiny Qwen3-Next (or, with model_type qwen3_5_text / qwen3_5_moe_text, Qwen3.5) with random norm weights
+    (transformers starts the zero-centred ones at 0), decay parameters and gates."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    settings = {**QWEN3_NEXT_CONFIG, **overrides}
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(torch.randn(param.shape) * 0.3 + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(torch.randn(param.shape) * 0.5)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder

@@ -35,6 +35,10 @@ OPS = (
     "gelu_tanh_and_mul",    # (x[..., 2I]) -> gelu_tanh(x[..., :I]) * x[..., I:] (Gemma's gated MLP)
     "gated_gemm",           # (x, weight[2I,K], bias|None) -> silu_and_mul(gemm(x, weight, bias)): the MLP's gate/up
     "sample",               # (logits[B,V] fp32, SamplingTensors) -> token ids [B] int64
+    # Gated DeltaNet (engine/kernels/torch/gdn.py states the contracts), over a ragged batch with state slots:
+    "causal_conv1d",        # (x[T,C], weight[C,K], conv_state[S,C,K-1]|None, metadata) -> silu(conv) [T,C]
+    "gated_delta_rule",     # (q, k [T,H,dk], v [T,H,dv], g, beta [T,H], state[S,H,dk,dv] fp32|None, metadata)
+                            #   -> o [T,H,dv]; states updated in place
     # Mixture of experts (engine/kernels/torch/moe.py states the contracts):
     "moe_topk_softmax",     # (logits[T,E] fp32, top_k, renormalize) -> (weights[T,k] fp32, ids[T,k] int32)
     "moe_grouped_topk",     # (logits, top_k, renormalize, num_groups, topk_groups, scoring, bias|None,

@@ -262,3 +262,19 @@ def test_gpt_oss_over_two_ranks_matches_single_process(ray_cluster, tmp_path_fac
         assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "dp2-ep2"])
+def test_qwen3_next_hybrid_over_two_ranks_matches_single_process(ray_cluster, tmp_path_factory, layout):
+    """Qwen3-Next: Gated DeltaNet heads (and their conv channels and recurrent states) split in whole key-head
+    groups at TP=2; at DP=2 + EP=2 each rank keeps its own requests' states while the experts are shared."""
+    import tiny_models
+    folder = str(tiny_models.make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next_parallel")))
+    prompts = PROMPTS + [list(range(3, 40))]
+    reference = [o.token_ids for o in LLM(folder, dtype="float32", show_progress=False).generate(prompts, GREEDY)]
+    engine = atom_ray.start(folder, dtype="float32", **layout)
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
+    finally:
+        engine.shutdown()

@@ -62,9 +62,10 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path, llama_dir):
         (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not supported; supported architectures: DeepseekV2ForCausalLM, "
-                       "DeepseekV32ForCausalLM, DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Glm4MoeForCausalLM, "
-                       "GlmMoeDsaForCausalLM, GptOssForCausalLM, LlamaForCausalLM, MiniMaxM2ForCausalLM, "
-                       "MixtralForCausalLM, Qwen2"):
+                       "DeepseekV32ForCausalLM, DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Gemma4ForCausalLM, "
+                       "Glm4MoeForCausalLM, GlmMoeDsaForCausalLM, GptOssForCausalLM, LlamaForCausalLM, "
+                       "MiniMaxM2ForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                       "Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM"):
         LLM(str(tmp_path), show_progress=False)
 
 

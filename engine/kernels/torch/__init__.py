@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.torch import mla, moe, ops, quant
+from engine.kernels.torch import gdn, mla, moe, ops, quant
 from engine.kernels.torch.attention import TorchAttentionBackend
 from engine.kernels.torch.sampling import sample
 
@@ -17,6 +17,8 @@ BACKEND = KernelBackend(
         "rms_norm_gated": ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
+        "causal_conv1d": gdn.causal_conv1d,
+        "gated_delta_rule": gdn.gated_delta_rule,
         "gelu_tanh_and_mul": ops.gelu_tanh_and_mul,
         "gated_gemm": ops.gated_gemm,
         "sample": sample,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.registry import KernelBackend
+from engine.kernels.torch import gdn as torch_gdn
 from engine.kernels.torch import ops as torch_ops
 from engine.kernels.triton import gemv, mla, moe, moe_quant, ops, quant
 from engine.kernels.triton.attention import TritonAttentionBackend
@@ -27,6 +28,9 @@ BACKEND = KernelBackend(
         "rms_norm_gated": torch_ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
+        # The torch references (a recurrence per token): no Triton GDN kernels yet (see docs/ARCHITECTURE.md).
+        "causal_conv1d": torch_gdn.causal_conv1d,
+        "gated_delta_rule": torch_gdn.gated_delta_rule,
         "gelu_tanh_and_mul": ops.gelu_tanh_and_mul,
         "gated_gemm": gemv.gated_gemm,
         "sample": sample,
