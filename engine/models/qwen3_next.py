@@ -95,7 +95,9 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         config = self.config
         if not self.is_sparse_layer(layer_index):
             return LlamaMLP(config)
-        router = RouterConfig("softmax_topk", config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob))
+        # Qwen3.5-MoE's config has no norm_topk_prob: its router always renormalises.
+        router = RouterConfig("softmax_topk", config.num_experts_per_tok,
+                              renormalize=bool(getattr(config, "norm_topk_prob", True)))
         shared = None
         if getattr(config, "shared_expert_intermediate_size", 0):
             shared = LlamaMLP(config, intermediate_size=config.shared_expert_intermediate_size, reduce_results=False)

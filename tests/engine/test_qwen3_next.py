@@ -139,3 +139,28 @@ def test_qwen3_5_contiguous_projections_match_transformers(tmp_path, model_type)
     llm = LLM(str(folder), dtype="float32", show_progress=False, max_num_batched_tokens=16, max_num_seqs=4)
     outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outputs] == [tiny_models.hf_greedy(folder, p, 16) for p in PROMPTS[:2]]
+
+
+def test_the_text_stack_of_a_qwen3_5_multimodal_checkpoint_serves_the_text_models_tokens(tmp_path):
+    """Qwen3_5MoeForConditionalGeneration in the hub's layout (text weights under model.language_model., the
+    vision tower at model.visual): the text stack's tokens."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    text_dir = tiny_models.make_tiny_qwen3_next(tmp_path / "text", model_type="qwen3_5_moe_text", mlp_only_layers=[])
+    folder = tmp_path / "wrapped"
+    shutil.copytree(text_dir, folder)
+    tensors = {name.replace("model.", "model.language_model.", 1): tensor
+               for name, tensor in load_file(str(text_dir / "model.safetensors")).items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(9, 4)
+    save_file(tensors, str(folder / "model.safetensors"))
+    text_config = json.loads((text_dir / "config.json").read_text())
+    text_config.pop("architectures")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": text_config, "vision_config": {"model_type": "qwen3_5_moe_vision", "hidden_size": 16}}))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    wrapped = LLM(str(folder), dtype="float32", show_progress=False).generate(PROMPTS[:2], params)
+    plain = LLM(str(text_dir), dtype="float32", show_progress=False).generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in wrapped] == [o.token_ids for o in plain]
