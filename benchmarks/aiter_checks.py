@@ -131,8 +131,9 @@ class OpChecks:
                         relative_l2(got, expected), tolerance, ok and bool(torch.isfinite(got).all()), note)
 
     def run(self) -> None:
-        for check in (self.dense, self.norms, self.rotary, self.activation, self.sampling, self.routing,
-                      self.routing_bookkeeping, self.experts, self.quantized_gemms, self.quantized_experts):
+        for check in (self.dense, self.norms, self.rotary, self.activation, self.gated_delta_net, self.sampling,
+                      self.routing, self.routing_bookkeeping, self.experts, self.quantized_gemms,
+                      self.quantized_experts):
             try:
                 check()
             except Exception as exc:  # keep going: one broken kernel should not hide the others
@@ -203,6 +204,34 @@ class OpChecks:
             x = self.randn(m, 2 * self.shapes.intermediate)
             self.compare("silu_and_mul", f"T={m} 2I={x.shape[1]}", self.aiter.ops["silu_and_mul"](x),
                          self.reference.ops["silu_and_mul"](x), BF16)
+            self.compare("gelu_tanh_and_mul", f"T={m} 2I={x.shape[1]}", self.aiter.ops["gelu_tanh_and_mul"](x),
+                         self.reference.ops["gelu_tanh_and_mul"](x), BF16)
+
+    def gated_delta_net(self) -> None:
+        """Gated DeltaNet's two ops over a decode and a chunked prefill carrying state in slots 2 and 0."""
+        channels, heads, dk, dv = 96, 4, 32, 32
+        metadata = _metadata([(0, 7, 1), (1, 0, 9)], 1, self.device)
+        metadata.state_slots_cpu = [2, 0]
+        tokens = metadata.num_tokens
+        x, weight = self.randn(tokens, channels), self.randn(channels, 4, scale=0.5)
+        history, outputs = self.randn(channels, 3), []
+        for table in (self.aiter, self.reference):
+            state = torch.zeros(3, channels, 3, dtype=torch.bfloat16, device=self.device)
+            state[2] = history  # the decode's earlier inputs; the prefill's slot starts from zero
+            outputs.append((table.ops["causal_conv1d"](x, weight, state, metadata), state))
+        self.compare("causal_conv1d", f"T={tokens} C={channels}", outputs[0][0], outputs[1][0], BF16)
+        self.compare("causal_conv1d", f"T={tokens} C={channels} state", outputs[0][1], outputs[1][1], BF16)
+        q, k = self.randn(tokens, heads, dk), self.randn(tokens, heads, dk)
+        v = self.randn(tokens, heads, dv)
+        g = -torch.rand(tokens, heads, device=self.device)
+        beta = torch.rand(tokens, heads, device=self.device)
+        start = torch.randn(3, heads, dk, dv, device=self.device) * 0.1
+        results = []
+        for table in (self.aiter, self.reference):
+            state = start.clone()
+            results.append((table.ops["gated_delta_rule"](q, k, v, g, beta, state, metadata), state))
+        self.compare("gated_delta_rule", f"T={tokens} H={heads} dk={dk} dv={dv}", results[0][0], results[1][0], BF16)
+        self.compare("gated_delta_rule", f"T={tokens} H={heads} state", results[0][1], results[1][1], FLOAT32)
 
     def sampling(self) -> None:
         rows, vocab = 2 * max(self.shapes.tokens[-1] // 16, 2), self.shapes.vocab

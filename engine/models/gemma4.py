@@ -48,9 +48,8 @@ def unsupported_features(config) -> list[str]:
 def layer_shape(config, layer_index: int) -> tuple[int, int]:
     """(head size, KV heads) of one layer: the per-layer overrides of transformers' Gemma 4 config (the full
     layers' global_head_dim and num_global_key_value_heads) over the defaults."""
-    per_layer = getattr(config, "per_layer_config", None)
-    if per_layer is not None:
-        layer = per_layer[layer_index]
+    if vars(config).get("_heterogeneity_spec") is not None:  # the global head_dim is ambiguous then
+        layer = config.per_layer_config[layer_index]
         return int(layer.head_dim), int(layer.num_key_value_heads)
     return int(config.head_dim), int(config.num_key_value_heads)
 

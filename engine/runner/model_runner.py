@@ -59,8 +59,8 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
 def attention_shapes(text, heads: int) -> set[tuple[int, int]]:
     """(head size, KV heads) of every attention layer: per layer where the config varies them (transformers'
     heterogeneous configs: Gemma 4's wider full-attention heads), else the config's one shape."""
-    per_layer = getattr(text, "per_layer_config", None)
-    if per_layer is not None:
+    if vars(text).get("_heterogeneity_spec") is not None:  # per-layer overrides (reading the global raises)
+        per_layer = text.per_layer_config
         return {(int(per_layer[i].head_dim), int(per_layer[i].num_key_value_heads or heads))
                 for i in range(text.num_hidden_layers)}
     head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
