@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tiny_models
+from gloo_ranks import spawn_two
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.forward_context import forward_context
@@ -275,8 +275,7 @@ def test_tensor_parallel_2_splits_heads_and_matches_one_process(model_dirs, tmp_
     """Heads split over two ranks (q and kv_b projections by output heads, o_proj by input heads), the
     latent projections and cache replicated: prefill and absorbed-decode logits equal the single process's."""
     folder = str(model_dirs["deepseek_v3"])
-    mp.spawn(_tensor_parallel_worker, args=(folder, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2,
-             join=True)
+    spawn_two(_tensor_parallel_worker, folder, f"file://{tmp_path}/rendezvous", str(tmp_path))
     single = _prefill_then_decode_logits(
         build_model(resolve_model(folder), torch.float32, torch.device("cpu"), show_progress=False), PROMPTS[1])
     assert (single - tiny_models.hf_logits(model_dirs["deepseek_v3"], PROMPTS[1])).abs().max().item() < 1e-4

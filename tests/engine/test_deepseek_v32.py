@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tiny_models
+from gloo_ranks import spawn_two
 from tiny_models import (deepseek_v32_config, deepseek_v32_yarn_config, glm_moe_dsa_config,  # noqa: F401
                          make_dsa_model)
 from engine import LLM, SamplingParams
@@ -215,8 +215,7 @@ def test_tensor_parallel_2_selects_the_same_keys_and_matches_one_process(model_d
     """MLA heads split over two ranks, the indexer replicated: both ranks select the same keys (else their
     heads would attend to different contexts and the all-reduced logits would drift from one process's)."""
     folder = str(model_dirs["glm_moe_dsa"])
-    mp.spawn(_tensor_parallel_worker, args=(folder, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2,
-             join=True)
+    spawn_two(_tensor_parallel_worker, folder, f"file://{tmp_path}/rendezvous", str(tmp_path))
     single = _cached_logits(_build(folder), PROMPTS[0], num_decoded=6)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")

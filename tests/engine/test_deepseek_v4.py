@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import tiny_models
+from gloo_ranks import spawn_two
 from tiny_models import make_tiny_v4_model, randomize_v4_extras, tiny_v4_config  # noqa: F401
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.layers import deepseek_v4 as v4_attention
@@ -234,8 +234,7 @@ def _two_rank_worker(rank: int, folder: str, rendezvous: str, out: str, expert_p
 def test_two_ranks_give_the_single_process_logits(model_dir, tmp_path, expert_parallel):
     """Attention and hyper-connections replicated; experts split by intermediate size (TP) or whole experts
     per rank (EP, the hash layers' fixed choices sliced with their tokens); the shared expert split by TP."""
-    mp.spawn(_two_rank_worker, args=(str(model_dir), f"file://{tmp_path}/rendezvous", str(tmp_path),
-                                     expert_parallel), nprocs=2, join=True)
+    spawn_two(_two_rank_worker, str(model_dir), f"file://{tmp_path}/rendezvous", str(tmp_path), expert_parallel)
     reference = tiny_models.hf_logits(model_dir, LONG_PROMPT)
     for rank in range(2):
         assert (torch.load(tmp_path / f"rank{rank}.pt") - reference).abs().max().item() < 1e-4

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 import tiny_models
+from gloo_ranks import spawn_two
 from engine.kernels.quant import (QuantizedWeight, QuantScheme, dequantize_weight, expand_block_scale,
                                   quantize_e2m1, quantize_weight)
 from engine.layers.deepseek_v4 import GroupedLinear
@@ -398,8 +398,8 @@ def _two_rank_worker(rank: int, folder: str, tokens: list[int], rendezvous: str,
 def test_two_ranks_give_the_single_process_logits(checkpoints, sequence, tmp_path, expert_parallel):
     """FP4 experts split by intermediate size (whole 32-wide scale groups per rank) or whole experts per rank,
     the FP8 shared expert by whole 128-row blocks; attention (FP8, grouped output included) replicated."""
-    mp.spawn(_two_rank_worker, args=(str(checkpoints["release"]), sequence, f"file://{tmp_path}/rendezvous",
-                                     str(tmp_path), expert_parallel), nprocs=2, join=True)
+    spawn_two(_two_rank_worker, str(checkpoints["release"]), sequence, f"file://{tmp_path}/rendezvous",
+              str(tmp_path), expert_parallel)
     single = logits(checkpoints["release"], sequence)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
