@@ -396,7 +396,8 @@ def make_tiny_gemma4(folder: Path, seed: int = 0, **overrides) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name and name.endswith("weight") or name.endswith("layer_scalar"):
+            if ("norm" in name and name.endswith("weight") or name.endswith(("layer_scalar", "router.scale",
+                                                                                "per_expert_scale"))):
                 tensor.copy_(1 + torch.randn(tensor.shape) * 0.3)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder

@@ -100,6 +100,7 @@ class ModelFacts:
     mla_heads: int | None = None
     mla_entry: tuple[int, int] | None = None
     clamped_experts: bool = False  # routed experts with a clamped SwiGLU (DeepSeek-V4's swiglu_limit)
+    expert_epilogue: str | None = None  # experts with biases or another activation: which (gpt-oss, Gemma 4)
 
 
 @dataclass

@@ -154,7 +154,7 @@ class FusedMoE(nn.Module):
                  shared_experts: nn.Module | None = None, shared_expert_gate: bool = False,
                  router_dtype: torch.dtype | None = None, swiglu_limit: float | None = None,
                  expert_bias: bool = False, oai_alpha: float | None = None, router_bias: bool = False,
-                 checkpoint_layout: str = "halves") -> None:
+                 checkpoint_layout: str = "halves", gelu: bool = False) -> None:
         """`shared_experts`: an MLP run on every token beside the routed experts, built with an unreduced
         row-parallel down projection (its partial sum is reduced together with the routed experts').
         `swiglu_limit`: the routed experts clamp gate <= limit and up to [-limit, limit] before silu(gate) * up
@@ -162,13 +162,15 @@ class FusedMoE(nn.Module):
         gpt-oss: `expert_bias` (w13_bias [E, 2I], w2_bias [E, H]), `oai_alpha` (the activation
         (up + 1) * gate * sigmoid(alpha * gate)), `router_bias` (a biased router), and
         `checkpoint_layout="gpt_oss"`: fused gate/up tensors interleave gate and up rows (gate 2j, up 2j + 1),
-        and unquantized fused tensors are stored [E, in, out] (transposed)."""
+        and unquantized fused tensors are stored [E, in, out] (transposed). `gelu`: the experts' activation is
+        gelu_tanh(gate) * up (Gemma 4)."""
         super().__init__()
         _check_router(router, num_experts)
         state = get_parallel_state()
         self.router = router
         self.swiglu_limit = swiglu_limit
         self.oai_alpha = oai_alpha
+        self.gelu = gelu
         if checkpoint_layout not in ("halves", "gpt_oss"):
             raise ValueError(f"unknown fused-experts checkpoint layout {checkpoint_layout!r}")
         self.checkpoint_layout = checkpoint_layout
@@ -426,6 +428,8 @@ class FusedMoE(nn.Module):
             extra.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
         if self.oai_alpha is not None:
             extra["oai_alpha"] = self.oai_alpha
+        if self.gelu:
+            extra["gelu"] = True
         return op(x, w13, w2, weights, ids, **extra)
 
     def count_expert_load(self, enabled: bool = True) -> None:
@@ -433,13 +437,16 @@ class FusedMoE(nn.Module):
             if enabled else None
 
     # ---- forward ------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`expert_ids` [T, k]: experts chosen outside the router (hash routing), weighted by the router."""
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None,
+                route_input: torch.Tensor | None = None) -> torch.Tensor:
+        """`expert_ids` [T, k]: experts chosen outside the router (hash routing), weighted by the router.
+        `route_input` [T, H]: what the router reads, where it is not the experts' input (Gemma 4 routes the
+        residual stream and feeds the experts its normalised form)."""
         step = current_moe_step()
         if self.expert_parallel:
-            out = self._forward_expert_parallel(x, expert_ids, step)
+            out = self._forward_expert_parallel(x, expert_ids, step, route_input)
         else:  # a partial sum over this rank's slice of every expert
-            weights, ids = self._route(x, expert_ids)
+            weights, ids = self._route(x if route_input is None else route_input, expert_ids)
             valid = step.valid_tokens if step is not None else None
             if valid is not None or self.load_counts is not None:  # every rank routes every token: counts all
                 weights, ids = ops.moe_route_mask(weights, ids, 0, valid, self.load_counts)
@@ -460,7 +467,7 @@ class FusedMoE(nn.Module):
         return self.gate.route(x, self.router, expert_ids)
 
     def _forward_expert_parallel(self, x: torch.Tensor, expert_ids: torch.Tensor | None,
-                                 step: MoEStep | None) -> torch.Tensor:
+                                 step: MoEStep | None, route_input: torch.Tensor | None = None) -> torch.Tensor:
         """Every EP rank sends a chunk of `rows` tokens, the same count on every rank (the step's padded
         token count over the TP ranks of a DP rank, which hold the same tokens and send a slice each), so
         that the exchange's shapes depend on the step only. Rows past the real tokens route nowhere."""
@@ -471,7 +478,8 @@ class FusedMoE(nn.Module):
         chunk = _rows(x, first, rows)
         ids_chunk = None if expert_ids is None else _rows(expert_ids, first, rows, fill=0)
         valid = num_tokens if step is None or step.valid_tokens is None else step.valid_tokens
-        weights, ids = ops.moe_route_mask(*self._route(chunk, ids_chunk), first, valid)
+        routed = chunk if route_input is None else _rows(route_input, first, rows)
+        weights, ids = ops.moe_route_mask(*self._route(routed, ids_chunk), first, valid)
         exchange = self._exchange(x.dtype)
         sent = exchange.dispatch(chunk, weights, ids, self.load_counts)
         expert_out = self._experts(sent.hidden, sent.weights, sent.local_ids)

@@ -6,8 +6,12 @@ scale 1, sandwich norms (each block's output normalised before its residual add)
 GELU-tanh gated MLP, embeddings times sqrt(hidden_size) rounded to the activations' dtype, tied embeddings,
 final logit soft-capping.
 
+The 26B-A4B variant adds a mixture of experts beside each layer's MLP: routed by the residual stream
+(weightless norm, times a learned scale and hidden_size^-1/2, softmax, top k renormalised, times a learned
+per-expert scale), fed its own normalised copy, GELU-tanh experts, both outputs normalised and summed.
+
 Not built (refused at start-up by name): the E2B/E4B extras (per-layer input embeddings, KV sharing between
-layers, double-wide MLPs), the 26B-A4B mixture of experts beside the MLP, bidirectional attention."""
+layers, double-wide MLPs), bidirectional attention."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +21,7 @@ from engine.kernels import ops
 from engine.kernels.attention import AttentionOptions
 from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.fused_moe import FusedMoE, Router, RouterConfig
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding
@@ -33,8 +38,6 @@ def unsupported_features(config) -> list[str]:
         missing.append("KV sharing between layers (num_kv_shared_layers, Gemma 4 E2B/E4B)")
     if getattr(config, "use_double_wide_mlp", False):
         missing.append("double-wide MLPs of KV-sharing layers (use_double_wide_mlp)")
-    if getattr(config, "enable_moe_block", False):
-        missing.append("the mixture of experts beside the MLP (enable_moe_block, Gemma 4 26B-A4B)")
     if getattr(config, "use_bidirectional_attention", None):
         missing.append(f"bidirectional attention (use_bidirectional_attention={config.use_bidirectional_attention!r})")
     if getattr(config, "hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -115,8 +118,27 @@ class Gemma4MLP(nn.Module):
         return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
+class Gemma4Router(Router):
+    """The 26B-A4B router: logits of norm(x) * scale * hidden_size^-1/2 (a weightless norm), softmax, top k
+    renormalised, each weight times its expert's learned scale."""
+
+    def __init__(self, num_experts: int, hidden_size: int, eps: float) -> None:
+        super().__init__(num_experts, hidden_size, correction_bias=False)
+        self.norm = RMSNorm(hidden_size, eps, style="none")
+        self.scale = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts), requires_grad=False)
+        self.root_size = hidden_size ** -0.5
+
+    def route(self, x: torch.Tensor, config: RouterConfig, expert_ids: torch.Tensor | None = None):
+        scaled = self.norm(x) * self.scale.to(x.dtype) * self.root_size
+        weights, ids = super().route(scaled, config, expert_ids)
+        return weights * self.per_expert_scale.float()[ids.long()], ids
+
+
 class Gemma4DecoderLayer(nn.Module):
-    """Sandwich norms: x + post_norm(block(pre_norm(x))) for attention and MLP, then x * layer_scalar."""
+    """Sandwich norms: x + post_norm(block(pre_norm(x))) for attention and MLP, then x * layer_scalar. With
+    experts (26B-A4B) the MLP's block is post_norm(post_norm_1(mlp(pre_norm(x))) + post_norm_2(experts(
+    pre_norm_2(x)) routed by x))."""
 
     def __init__(self, config, layer_index: int) -> None:
         super().__init__()
@@ -128,6 +150,14 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, style="float32")
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, style="float32")
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.moe = None
+        if getattr(config, "enable_moe_block", False):
+            router = RouterConfig("softmax_topk", config.top_k_experts, renormalize=True)
+            self.moe = FusedMoE(config.num_experts, hidden, config.moe_intermediate_size, router, gelu=True)
+            self.moe.gate = Gemma4Router(config.num_experts, hidden, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps, style="float32")
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps, style="float32")
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps, style="float32")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         dtype = hidden_states.dtype
@@ -136,6 +166,9 @@ class Gemma4DecoderLayer(nn.Module):
         attended = self.self_attn(positions, self.input_layernorm(hidden_states)).to(dtype)
         hidden_states = hidden_states + self.post_attention_layernorm(attended)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden_states)).to(dtype)
+        if self.moe is not None:
+            experts = self.moe(self.pre_feedforward_layernorm_2(hidden_states), route_input=hidden_states).to(dtype)
+            mlp_out = self.post_feedforward_layernorm_1(mlp_out) + self.post_feedforward_layernorm_2(experts)
         hidden_states = hidden_states + self.post_feedforward_layernorm(mlp_out)
         return hidden_states * self.layer_scalar.to(dtype)
 
@@ -190,3 +223,8 @@ class Gemma4ForCausalLM(nn.Module):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def remap_checkpoint_name(self, name: str) -> str | None:
+        """26B-A4B: the layer's `experts.*` and `router.*` are our `moe.*` (its router at `moe.gate`)."""
+        name = name.replace(".router.proj.", ".moe.gate.").replace(".router.", ".moe.gate.")
+        return name.replace(".experts.", ".moe.experts.")

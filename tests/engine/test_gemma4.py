@@ -88,7 +88,6 @@ def test_greedy_tokens_through_two_cache_groups_of_different_head_sizes(gemma4_d
 @pytest.mark.parametrize("overrides,named", [
     (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=389), "per-layer input embeddings"),
     (dict(num_kv_shared_layers=2), "KV sharing between layers"),
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32), "mixture of experts"),
 ])
 def test_unbuilt_gemma4_features_are_refused_by_name(tmp_path, overrides, named):
     folder = tiny_models.make_tiny_gemma4(tmp_path / "variant", **overrides)
@@ -119,3 +118,39 @@ def test_the_text_stack_of_a_gemma4_multimodal_checkpoint_serves_the_text_models
     wrapped = LLM(str(folder), dtype="float32", show_progress=False).generate(PROMPTS, params)
     plain = LLM(str(gemma4_dir), dtype="float32", show_progress=False).generate(PROMPTS, params)
     assert [o.token_ids for o in wrapped] == [o.token_ids for o in plain]
+
+
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe_dir(tmp_path_factory):
+    return tiny_models.make_tiny_gemma4(tmp_path_factory.mktemp("gemma4_moe"), **MOE)
+
+
+def _route_normalised(model):  # the router fed the experts' normalised input instead of the residual stream
+    for layer in model.model.layers:
+        norm = layer.pre_feedforward_layernorm_2
+        layer.moe.gate.route = (lambda route, norm: lambda x, *a, **k: route(norm(x), *a, **k))(layer.moe.gate.route,
+                                                                                              norm)
+
+
+def _no_per_expert_scale(model):
+    for layer in model.model.layers:
+        layer.moe.gate.per_expert_scale.data.fill_(1.0)
+
+
+def _silu_experts(model):
+    for layer in model.model.layers:
+        layer.moe.gelu = False
+
+
+def test_26b_a4b_experts_beside_the_mlp_match_transformers(gemma4_moe_dir):
+    prompt = list(range(3, 60))
+    reference = tiny_models.hf_logits(gemma4_moe_dir, prompt)
+    assert close_to_transformers(engine_logits(gemma4_moe_dir, prompt), reference)
+    for edit in (_route_normalised, _no_per_expert_scale, _silu_experts):
+        assert not close_to_transformers(engine_logits(gemma4_moe_dir, prompt, edit), reference), edit.__name__
+    llm = LLM(str(gemma4_moe_dir), dtype="float32", show_progress=False, max_num_batched_tokens=16, max_num_seqs=4)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [tiny_models.hf_greedy(gemma4_moe_dir, p, 24) for p in PROMPTS]

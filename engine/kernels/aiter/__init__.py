@@ -41,6 +41,8 @@ def declines(op: str, facts: ModelFacts) -> str | None:
         return mla.FP8_CACHE_REASON
     if op in ("fused_experts", "fused_experts_fp8", "fused_experts_mxfp4") and facts.clamped_experts:
         return "aiter's fused_moe has no clamped SwiGLU (swiglu_limit)"
+    if op in ("fused_experts", "fused_experts_fp8", "fused_experts_mxfp4") and facts.expert_epilogue:
+        return f"aiter's fused_moe is not mapped for {facts.expert_epilogue}"
     if op == "mla_attention" and facts.mla_heads is not None and facts.mla_entry is not None:
         return mla.unsupported(facts.mla_heads, sum(facts.mla_entry), facts.mla_entry[0], facts.dtype)
     if op in ("gemm_mxfp4", "fused_experts_mxfp4") and ops.gfx() == "gfx942":

@@ -57,14 +57,17 @@ def moe_grouped_topk(logits: torch.Tensor, top_k: int, renormalize: bool, num_gr
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, swiglu_limit: float | None = None, w13_bias: torch.Tensor | None = None,
-                  w2_bias: torch.Tensor | None = None, oai_alpha: float | None = None) -> torch.Tensor:
+                  w2_bias: torch.Tensor | None = None, oai_alpha: float | None = None,
+                  gelu: bool = False) -> torch.Tensor:
     """The routed experts' MLPs, one expert at a time over the tokens routed to it (HF's loop, kept as the
     reference: no fused kernel can be checked against anything simpler). `swiglu_limit`: clamp gate to
     <= limit and up to [-limit, limit] first (DeepSeek-V4, gpt-oss). `w13_bias` [E, 2I] / `w2_bias` [E, H]:
     the experts' biases (gpt-oss), added by each GEMM. `oai_alpha`: gpt-oss's activation
-    (up + 1) * gate * sigmoid(alpha * gate) in place of silu(gate) * up."""
+    (up + 1) * gate * sigmoid(alpha * gate) in place of silu(gate) * up; `gelu`: gelu_tanh(gate) * up
+    (Gemma 4's experts)."""
     return each_expert(x, weights, ids, w2.shape[2], with_bias(lambda rows, e: F.linear(rows, w13[e]), w13_bias),
-                       with_bias(lambda rows, e: F.linear(rows, w2[e]).float(), w2_bias), swiglu_limit, oai_alpha)
+                       with_bias(lambda rows, e: F.linear(rows, w2[e]).float(), w2_bias), swiglu_limit, oai_alpha,
+                       gelu)
 
 
 def with_bias(gemm, bias: torch.Tensor | None):
@@ -75,19 +78,21 @@ def with_bias(gemm, bias: torch.Tensor | None):
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None = None,
-                     oai_alpha: float | None = None) -> torch.Tensor:
-    """silu(gate) * up, or gpt-oss's (up + 1) * gate * sigmoid(oai_alpha * gate), each operation in the
-    inputs' dtype as transformers runs it; `swiglu_limit` clamps gate to <= limit and up to [-limit, limit]
-    first."""
+                     oai_alpha: float | None = None, gelu: bool = False) -> torch.Tensor:
+    """silu(gate) * up, gelu_tanh(gate) * up (`gelu`), or gpt-oss's (up + 1) * gate * sigmoid(oai_alpha *
+    gate), each operation in the inputs' dtype as transformers runs it; `swiglu_limit` clamps gate to
+    <= limit and up to [-limit, limit] first."""
     if swiglu_limit is not None:
         gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+    if gelu:
+        return F.gelu(gate, approximate="tanh") * up
     if oai_alpha is None:
         return F.silu(gate) * up
     return (up + 1) * (gate * torch.sigmoid(gate * oai_alpha))
 
 
 def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, intermediate: int, gate_up, down,
-                swiglu_limit: float | None = None, oai_alpha: float | None = None):
+                swiglu_limit: float | None = None, oai_alpha: float | None = None, gelu: bool = False):
     """sum_k weights[t, k] * down(act(gate_up(x[t], e)), e) for e = ids[t, k] >= 0, one expert at a time over
     its tokens, summed in float32 and rounded once to x's dtype. `gate_up(rows, e)` returns x's dtype,
     `down(rows, e)` float32; `act` is `gated_activation` (silu-and-mul, clamped, or gpt-oss's)."""
@@ -105,7 +110,7 @@ def each_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, inter
         tokens = token_of_pair[pairs]
         projected = gate_up(x[tokens], expert)
         hidden_act = gated_activation(projected[:, :intermediate], projected[:, intermediate:], swiglu_limit,
-                                      oai_alpha)
+                                      oai_alpha, gelu)
         out.index_add_(0, tokens, down(hidden_act, expert) * flat_weights[pairs, None])
     return out.to(x.dtype)
 

@@ -22,7 +22,7 @@ def gemm_quantized(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
 def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
                             ids: torch.Tensor, swiglu_limit: float | None = None,
                             w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                            oai_alpha: float | None = None) -> torch.Tensor:
+                            oai_alpha: float | None = None, gelu: bool = False) -> torch.Tensor:
     """`fused_experts` (engine/kernels/torch/moe.py) with quantized expert weights: each expert's GEMMs as
     `gemm_quantized` (its activations quantized as its scheme says), the intermediate rounded to x's dtype.
     `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up to [-limit, limit] before the SiLU, on the
@@ -31,4 +31,4 @@ def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: Quantized
                        with_bias(lambda rows, e: gemm_quantized(rows, expert_slice(w13, e)), w13_bias),
                        with_bias(lambda rows, e: gemm_quantized(rows, expert_slice(w2, e), out_dtype=torch.float32),
                                  w2_bias),
-                       swiglu_limit, oai_alpha)
+                       swiglu_limit, oai_alpha, gelu)

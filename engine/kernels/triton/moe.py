@@ -223,10 +223,18 @@ def add_gate_up_bias(gate, up, b13_ptr, expert, stride_be, features, feature_mas
 
 
 @triton.jit
-def store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI: tl.constexpr):
-    """act = silu(gate) * up, or (OAI, gpt-oss) (up + 1) * gate * sigmoid(alpha * gate), each operation rounded
-    to the activations' dtype as the reference's."""
-    if OAI:
+def store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI: tl.constexpr,
+                GELU: tl.constexpr = False):
+    """act = silu(gate) * up, gelu_tanh(gate) * up (GELU, Gemma 4), or (OAI, gpt-oss) (up + 1) * gate *
+    sigmoid(alpha * gate), each operation rounded to the activations' dtype as the reference's."""
+    if GELU:
+        dt = act_ptr.dtype.element_ty
+        g = gate.to(dt).to(tl.float32)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        gelu = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))).to(dt).to(tl.float32)
+        tl.store(act_ptr + pairs.to(tl.int64)[:, None] * inter + features[None, :],
+                 (gelu * up.to(dt).to(tl.float32)).to(dt), mask=valid[:, None] & feature_mask[None, :])
+    elif OAI:
         dt = act_ptr.dtype.element_ty
         gate = gate.to(dt).to(tl.float32)
         up = up.to(dt).to(tl.float32)
@@ -253,7 +261,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
                     top_k, stride_x, stride_we, stride_wn, num_n_blocks, limit, b13_ptr, stride_be, alpha,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                     USE_PDL: tl.constexpr, CLAMP: tl.constexpr = False, BIAS: tl.constexpr = False,
-                    OAI: tl.constexpr = False):
+                    OAI: tl.constexpr = False, GELU: tl.constexpr = False):
     """act[pair, n] = silu(gate) * up for one [BLOCK_M pairs, BLOCK_N features] tile of one expert, where
     gate and up are the rows n and I + n of w13[e] against x[pair // top_k]; CLAMP: gate <= limit and
     -limit <= up <= limit first (equal to clamping after the rounding when limit is a number of the dtype)."""
@@ -286,7 +294,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
                                     act_ptr.dtype.element_ty)
     if CLAMP:
         gate, up = clamp_swiglu(gate, up, limit)
-    store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI)
+    store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI, GELU)
 
 
 @triton.jit
@@ -358,7 +366,7 @@ PAIR_OUTPUT_BUDGET_BYTES = 256 << 20
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: MoeTiles | None = None, swiglu_limit: float | None = None,
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  oai_alpha: float | None = None) -> torch.Tensor:
+                  oai_alpha: float | None = None, gelu: bool = False) -> torch.Tensor:
     """sum_k weights[t, k] * w2[e] @ (silu(gate) * up)(w13[e] @ x[t]), e = ids[t, k] (-1: nothing), in x's
     dtype: the pairs grouped by expert, one grouped GEMM for gate/up with SiLU-and-mul in its epilogue, one
     for the down projection, then a combine kernel that weights and sums each token's k expert outputs.
@@ -381,12 +389,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     for start in range(0, num_tokens, chunk):
         stop = min(num_tokens, start + chunk)
         _fused_experts_chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles,
-                             swiglu_limit, w13_bias, w2_bias, oai_alpha)
+                             gated_epilogue(swiglu_limit, w13_bias, w2_bias, oai_alpha, x, gelu))
     return out
 
 
 def gated_epilogue(swiglu_limit: float | None, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-                   oai_alpha: float | None, like: torch.Tensor) -> tuple[tuple, dict, tuple, dict]:
+                   oai_alpha: float | None, like: torch.Tensor, gelu: bool = False) -> tuple[tuple, dict, tuple, dict]:
     """The gate/up and down kernels' epilogue arguments and constexprs: the clamp, the biases (any tensor
     where there are none) and the activation."""
     assert (w13_bias is None) == (w2_bias is None), "both expert biases or neither"
@@ -394,14 +402,12 @@ def gated_epilogue(swiglu_limit: float | None, w13_bias: torch.Tensor | None, w2
     b2 = w2_bias if w2_bias is not None else like
     bias = w13_bias is not None
     return ((float(swiglu_limit or 0.0), b13, b13.stride(0) if bias else 0, float(oai_alpha or 0.0)),
-            dict(CLAMP=swiglu_limit is not None, BIAS=bias, OAI=oai_alpha is not None),
+            dict(CLAMP=swiglu_limit is not None, BIAS=bias, OAI=oai_alpha is not None, GELU=gelu),
             (b2, b2.stride(0) if bias else 0), dict(BIAS=bias))
 
 
 def _fused_experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                         ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles | None,
-                         swiglu_limit: float | None = None, w13_bias: torch.Tensor | None = None,
-                         w2_bias: torch.Tensor | None = None, oai_alpha: float | None = None) -> None:
+                         ids: torch.Tensor, out: torch.Tensor, tiles: MoeTiles | None, epilogue: tuple) -> None:
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = ids.shape[1]
@@ -416,8 +422,7 @@ def _fused_experts_chunk(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     pdl_options = pdl.launch_options(x)
     launch = dict(UPCAST=x.dtype != torch.float32 and x.device.type == "cpu", num_warps=tiles.num_warps,
                   num_stages=tiles.num_stages, **pdl_options)
-    gate_up_args, gate_up_flags, down_args, down_flags = gated_epilogue(swiglu_limit, w13_bias, w2_bias, oai_alpha,
-                                                                        x)
+    gate_up_args, gate_up_flags, down_args, down_flags = epilogue
     n_blocks = triton.cdiv(inter, tiles.gate_up_block_n)
     _gate_up_kernel[(num_blocks * n_blocks,)](
         x, w13, act, sorted_pairs, block_expert, num_pairs, hidden, inter, top_k, x.stride(0), w13.stride(0),

@@ -37,7 +37,8 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w13_ptr, w13_scale_ptr, act_ptr, sorted_
                     num_n_blocks, limit, b13_ptr, stride_be, alpha, METHOD: tl.constexpr, ACT: tl.constexpr,
                     BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FAST_FP8: tl.constexpr = False,
-                    CLAMP: tl.constexpr = False, BIAS: tl.constexpr = False, OAI: tl.constexpr = False):
+                    CLAMP: tl.constexpr = False, BIAS: tl.constexpr = False, OAI: tl.constexpr = False,
+                    GELU: tl.constexpr = False):
     """moe._gate_up_kernel with quantized w13[e] (rows n and I + n: gate and up) and activations as ACT says;
     CLAMP: gate <= limit and -limit <= up <= limit after the scales, before the SiLU (as moe._gate_up_kernel)."""
     if USE_PDL:
@@ -82,7 +83,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w13_ptr, w13_scale_ptr, act_ptr, sorted_
                                         act_ptr.dtype.element_ty)
     if CLAMP:
         gate, up = moe.clamp_swiglu(gate, up, limit)
-    moe.store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI)
+    moe.store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, alpha, OAI, GELU)
 
 
 @triton.jit
@@ -132,7 +133,8 @@ def _down_kernel(act_ptr, act_scale_ptr, w2_ptr, w2_scale_ptr, expert_out_ptr, s
 def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
                             ids: torch.Tensor, tiles: moe.MoeTiles | None = None,
                             swiglu_limit: float | None = None, w13_bias: torch.Tensor | None = None,
-                            w2_bias: torch.Tensor | None = None, oai_alpha: float | None = None) -> torch.Tensor:
+                            w2_bias: torch.Tensor | None = None, oai_alpha: float | None = None,
+                            gelu: bool = False) -> torch.Tensor:
     """`fused_experts` with quantized experts w13 [E, 2I, H] and w2 [E, H, I] (one scheme for both): the ops
     fused_experts_fp8 and fused_experts_mxfp4. `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up
     to [-limit, limit] before the SiLU."""
@@ -145,7 +147,7 @@ def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: Quantized
     for start in range(0, num_tokens, chunk):
         stop = min(num_tokens, start + chunk)
         _chunk(x[start:stop], w13, w2, weights[start:stop], ids[start:stop], out[start:stop], tiles,
-               moe.gated_epilogue(swiglu_limit, w13_bias, w2_bias, oai_alpha, x))
+               moe.gated_epilogue(swiglu_limit, w13_bias, w2_bias, oai_alpha, x, gelu))
     return out
 
 

@@ -66,3 +66,25 @@ def test_mxfp4_experts_with_biases_and_oai_activation():
     out = fused_experts_quantized(x_d, q13, q2, weights_d, ids_d, w13_bias=b13_d, w2_bias=b2_d, **GPT_OSS).cpu()
     error = ((out - expected).abs().max() / expected.abs().max()).item()
     assert error < 1e-2, error
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=str)
+def test_gelu_experts(dtype, tolerance):
+    """Gemma 4's experts: gelu_tanh(gate) * up in the gate/up epilogue (full precision and MXFP4)."""
+    x, w13, w2, _, _, weights, ids = experts(dtype)
+    expected = reference(x, w13, w2, weights, ids, gelu=True).float()
+    x_d, w13_d, w2_d, weights_d, ids_d = on_device(x, w13, w2, weights, ids)
+    out = fused_experts(x_d, w13_d, w2_d, weights_d, ids_d, gelu=True).cpu().float()
+    assert ((out - expected).abs().max() / expected.abs().max()).item() < tolerance
+    silu = reference(x, w13, w2, weights, ids).float()
+    assert ((silu - expected).abs().max() / expected.abs().max()).item() > 0.05
+    if dtype == torch.float32:
+        scheme = QuantScheme("mxfp4", "none")
+        xb = x.bfloat16().float()
+        q13, q2 = quantize_weight(w13, scheme), quantize_weight(w2, scheme)
+        want = reference(xb, dequantize_weight(q13), dequantize_weight(q2), weights, ids, gelu=True)
+        for q in (q13, q2):
+            q.weight, q.scale = q.weight.to(DEVICE), q.scale.to(DEVICE)
+            fused_experts_quantized.prepare(q)
+        got = fused_experts_quantized(*on_device(xb), q13, q2, *on_device(weights, ids), gelu=True).cpu()
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
