@@ -23,7 +23,8 @@ BACKEND = KernelBackend(
         "gemm_float32": gemv.gemm_float32,
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
-        # The torch references: no GPU-served model uses these norm styles yet (issue 27 adds the families).
+        # The torch references: no Triton kernels for these norm styles yet, which gpt-oss, Gemma 4 and the
+        # Gated DeltaNet hybrids use (unmeasured on GPUs; see docs/MODELS.md).
         "rms_norm_variant": torch_ops.rms_norm_variant,
         "rms_norm_gated": torch_ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
