@@ -25,6 +25,7 @@ from engine.layers.fused_moe import FusedMoE, Router, RouterConfig
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding
+from engine.models.llama import LlamaForCausalLM
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -191,13 +192,7 @@ class Gemma4Model(nn.Module):
 
 
 class Gemma4ForCausalLM(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, config, residual_dtype: torch.dtype | None = None) -> None:
         """`residual_dtype` is not used: the residual stream stays in the activations' dtype, as transformers'

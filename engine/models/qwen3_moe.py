@@ -10,12 +10,17 @@ from engine.models.llama import LlamaMLP
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 
+def qwen_sparse_layer(config, layer_index: int) -> bool:
+    """Qwen's MoE placement (Qwen3-MoE, Qwen3-Next): experts unless the layer is in `mlp_only_layers` or off
+    the `decoder_sparse_step` grid."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (layer_index not in (getattr(config, "mlp_only_layers", None) or [])
+            and num_routed_experts(config) > 0 and (layer_index + 1) % step == 0)
+
+
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def is_sparse_layer(self, layer_index: int) -> bool:
-        config = self.config
-        step = getattr(config, "decoder_sparse_step", 1) or 1
-        return (layer_index not in (getattr(config, "mlp_only_layers", None) or [])
-                and num_routed_experts(config) > 0 and (layer_index + 1) % step == 0)
+        return qwen_sparse_layer(self.config, layer_index)
 
     def build_mlp(self, layer_index: int) -> nn.Module:
         config = self.config

@@ -21,6 +21,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of, rotary_dim_of
+from engine.models.qwen3_moe import qwen_sparse_layer
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -62,13 +63,6 @@ class GatedAttention(nn.Module):
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     norm_style = "offset"  # (1 + w) in float32, every norm of the model
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
 
     def __init__(self, config, residual_dtype: torch.dtype | None = None) -> None:
         types = list(config.layer_types)
@@ -86,10 +80,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         return GatedAttention(self.config)
 
     def is_sparse_layer(self, layer_index: int) -> bool:
-        config = self.config
-        step = getattr(config, "decoder_sparse_step", 1) or 1
-        return (layer_index not in (getattr(config, "mlp_only_layers", None) or [])
-                and num_routed_experts(config) > 0 and (layer_index + 1) % step == 0)
+        return qwen_sparse_layer(self.config, layer_index)
 
     def build_mlp(self, layer_index: int) -> nn.Module:
         config = self.config
