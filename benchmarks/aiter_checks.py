@@ -212,6 +212,7 @@ class OpChecks:
         channels, heads, dk, dv = 96, 4, 32, 32
         metadata = _metadata([(0, 7, 1), (1, 0, 9)], 1, self.device)
         metadata.state_slots_cpu = [2, 0]
+        metadata.state_slots = torch.tensor(metadata.state_slots_cpu, device=self.device)
         tokens = metadata.num_tokens
         x, weight = self.randn(tokens, channels), self.randn(channels, 4, scale=0.5)
         history, outputs = self.randn(channels, 3), []

@@ -8,7 +8,8 @@ from zero and a later chunk of a chunked prefill continues where the previous on
   by dk^-1/2 (all in float32): S <- exp(g_t) S; S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t.
   S [dk, dv] is the head's recurrent state (float32, in place).
 
-Sequences come as the attention metadata lays them out (`query_start_loc_cpu`, `state_slots_cpu`); decodes
+Sequences come as the attention metadata lays them out (`query_start_loc_cpu`, `state_slots` and their host
+copy `state_slots_cpu`); decodes
 (one token each) run batched, longer ones one sequence at a time, token by token: the reference is the
 recurrence itself (exact in float32), which the chunked GPU kernels are checked against."""
 from __future__ import annotations
@@ -61,7 +62,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     slots = metadata.state_slots_cpu if state is not None else None
     num_decodes = metadata.num_decodes
     if num_decodes and slots is not None:  # one token each: all at once
-        index = torch.tensor(slots[:num_decodes], device=v.device)
+        index = metadata.state_slots[:num_decodes]
         current = state.index_select(0, index)
         out[:num_decodes] = _recurrent_step(current, q[:num_decodes], k[:num_decodes], v[:num_decodes],
                                             decay[:num_decodes], beta[:num_decodes])

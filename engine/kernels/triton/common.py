@@ -83,6 +83,13 @@ def kv_quant_args(kv_quant: KVCacheQuant | None, cache: torch.Tensor) -> tuple[s
 
 
 @triton.jit
+def gelu_tanh(g):
+    """GELU, tanh form, of float32 g: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh through exp."""
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+
+
+@triton.jit
 def soft_capped(s, cap):
     """cap * tanh(s / cap) (logit soft-capping; scores and cap both in the log2 domain), with tanh written
     through exp2, which every Triton version has: tanh(x) = 1 - 2 / (exp(2x) + 1)."""

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from engine.kernels.torch import moe as torch_moe
 from engine.kernels.triton import pdl
-from engine.kernels.triton.common import dot
+from engine.kernels.triton.common import dot, gelu_tanh
 
 # ---- routing ---------------------------------------------------------------------------------------------
 
@@ -229,9 +229,7 @@ def store_gated(act_ptr, gate, up, pairs, valid, features, feature_mask, inter, 
     sigmoid(alpha * gate), each operation rounded to the activations' dtype as the reference's."""
     if GELU:
         dt = act_ptr.dtype.element_ty
-        g = gate.to(dt).to(tl.float32)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        gelu = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))).to(dt).to(tl.float32)
+        gelu = gelu_tanh(gate.to(dt).to(tl.float32)).to(dt).to(tl.float32)
         tl.store(act_ptr + pairs.to(tl.int64)[:, None] * inter + features[None, :],
                  (gelu * up.to(dt).to(tl.float32)).to(dt), mask=valid[:, None] & feature_mask[None, :])
     elif OAI:

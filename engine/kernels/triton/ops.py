@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton import pdl
-from engine.kernels.triton.common import rope_coefficients, rotated
+from engine.kernels.triton.common import gelu_tanh, rope_coefficients, rotated
 
 # Rows up to this many features are normalised from registers in one pass (no spills on sm_90 even in
 # fp32); longer ones take two passes over chunks.
@@ -183,7 +183,10 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _gated_activation_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+    """act(gate) * up with act silu, or (GELU) gelu_tanh. The activation is rounded to the activation dtype before the product, as
+    F.silu(x) * y (F.gelu(x, approximate="tanh") * y) is in torch."""
     if USE_PDL:
         pdl.enter()
     row = tl.program_id(0).to(tl.int64)
@@ -192,30 +195,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr, US
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    # silu is rounded to the activation dtype before the product, as F.silu(x) * y is in torch.
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * half + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    if GELU:
+        act = gelu_tanh(g).to(gate.dtype)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + row * half + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-@triton.jit
-def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, half, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """gelu_tanh(gate) * up, the GELU (0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))) rounded to the
-    activation dtype before the product, as F.gelu(x, approximate="tanh") * y is in torch."""
-    if USE_PDL:
-        pdl.enter()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < half
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + half + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-    gelu = (0.5 * g * (1.0 + tanh)).to(gate.dtype)
-    tl.store(out_ptr + row * half + cols, (gelu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
-
-
-def _gated_activation(kernel, x: torch.Tensor) -> torch.Tensor:
+def _gated_activation(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     half = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
@@ -224,14 +211,15 @@ def _gated_activation(kernel, x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 0 or half == 0:
         return out
     block = min(1024, triton.next_power_of_2(half))
-    kernel[(rows.shape[0], triton.cdiv(half, block))](
-        rows, out, half, rows.stride(0), BLOCK=block, num_warps=_num_warps(block), **pdl.launch_options(out))
+    _gated_activation_kernel[(rows.shape[0], triton.cdiv(half, block))](
+        rows, out, half, rows.stride(0), BLOCK=block, GELU=gelu, num_warps=_num_warps(block),
+        **pdl.launch_options(out))
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _gated_activation(_silu_and_mul_kernel, x)
+    return _gated_activation(x, gelu=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _gated_activation(_gelu_tanh_and_mul_kernel, x)
+    return _gated_activation(x, gelu=True)
