@@ -7,6 +7,7 @@ import torch
 from triton_device import DEVICE  # (skips the importing module without Triton)
 
 from engine.kernels.attention import CommonAttentionMetadata
+from windowed_attention import paged_batch
 
 
 def randn(*shape, dtype=torch.float32):
@@ -22,28 +23,9 @@ def cos_sin_table(max_position: int, rotary_dim: int) -> torch.Tensor:
 def make_batch(seqs: list[tuple[int, int]], block_size: int, num_blocks: int) -> CommonAttentionMetadata:
     """seqs: (cached tokens, new tokens) per sequence, decodes (one new token) first. Blocks are
     scattered at random over the cache, as the block manager would leave them after a while."""
-    free = torch.randperm(num_blocks).tolist()
-    starts, seq_lens, computed, tables, slots = [0], [], [], [], []
-    for cached, new in seqs:
-        total = cached + new
-        blocks = [free.pop() for _ in range(-(-total // block_size))]
-        tables.append(blocks)
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(cached, total))
-        starts.append(starts[-1] + new)
-        seq_lens.append(total)
-        computed.append(cached)
-    table = torch.zeros(len(seqs), max(len(b) for b in tables), dtype=torch.int32)
-    for row, blocks in enumerate(tables):
-        table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    num_decodes = sum(1 for _, new in seqs if new == 1)
-    assert all(new == 1 for _, new in seqs[:num_decodes])
-    return CommonAttentionMetadata(
-        num_seqs=len(seqs), num_decodes=num_decodes, num_tokens=starts[-1],
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_table=table.to(DEVICE), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        max_query_len=max(new for _, new in seqs), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, num_computed_tokens_cpu=computed)
+    metadata, _ = paged_batch(seqs, block_size, num_blocks, None, device=DEVICE)
+    assert metadata.num_decodes == sum(1 for _, new in seqs if new == 1), "decodes go first"
+    return metadata
 
 
 def qkv_views(num_tokens, num_heads, num_kv_heads, head_size, dtype):

@@ -154,6 +154,20 @@ def engine_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(token_ids), torch.arange(n)))
 
 
+def folder_logits(folder: Path, token_ids: list[int], edit=None) -> torch.Tensor:
+    """`engine_logits` of the model built from `folder` (float32, CPU), after `edit(model)` where given (a
+    negative control taking a feature out)."""
+    from engine.loader import build_model, resolve_model
+    model = build_model(resolve_model(str(folder)), torch.float32, torch.device("cpu"), show_progress=False)
+    if edit is not None:
+        edit(model)
+    return engine_logits(model, token_ids)
+
+
+def logits_close(ours: torch.Tensor, reference: torch.Tensor, tolerance: float = 1e-4) -> bool:
+    return ours.shape == reference.shape and (ours - reference).abs().max().item() < tolerance
+
+
 # Quantization tests need a model whose next-token choices have margins like a real model's: a random one's
 # top candidates are near-ties that any rounding flips. These shapes divide into 128x128 FP8 blocks and
 # 32-wide MXFP4 groups (q 256 rows, k and v 128 each, MLP 384, experts 128).

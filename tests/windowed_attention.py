@@ -29,7 +29,7 @@ def paged_batch(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, w
         starts.append(starts[-1] + new)
         seq_lens.append(total)
         computed.append(cached)
-    table = torch.zeros(len(seqs), max(len(b) for b in tables) + 2, dtype=torch.int32)
+    table = torch.zeros(len(seqs), max(len(b) for b in tables), dtype=torch.int32)
     for row, blocks in enumerate(tables):
         table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     num_decodes = 0

@@ -248,30 +248,21 @@ def test_independent_dp_ranks_expert_loads_add_up():
     assert merged["expert_imbalance"] == 4 * 4 / 8
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "tp2-ep"])
-def test_gpt_oss_over_two_ranks_matches_single_process(ray_cluster, tmp_path_factory, layout):
-    """gpt-oss's per-head sinks split with the heads, the q/k/v biases with their heads, the o and expert down
-    biases added once (by one TP rank, or the expert's EP rank), the window group on both ranks."""
+# New families over two ranks: gpt-oss's per-head sinks split with the heads, the q/k/v biases with their
+# heads, the o and expert down biases added once (by one TP rank, or the expert's EP rank), the window group on
+# both ranks; Qwen3-Next's Gated DeltaNet heads (and their conv channels and recurrent states) split in whole
+# key-head groups at TP=2, and at DP=2 + EP=2 each rank keeps its own requests' states while the experts are
+# shared.
+@pytest.mark.parametrize("family,layout", [
+    ("gpt_oss", dict(tensor_parallel_size=2)),
+    ("gpt_oss", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("qwen3_next", dict(tensor_parallel_size=2)),
+    ("qwen3_next", dict(data_parallel_size=2, enable_expert_parallel=True)),
+], ids=["gpt_oss-tp2", "gpt_oss-tp2-ep", "qwen3_next-tp2", "qwen3_next-dp2-ep2"])
+def test_new_families_over_two_ranks_match_single_process(ray_cluster, tmp_path_factory, family, layout):
     import tiny_models
-    folder = str(tiny_models.make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss_tp")))
-    prompts = PROMPTS + [list(range(3, 40))]  # longer than the window
-    reference = [o.token_ids for o in LLM(folder, dtype="float32", show_progress=False).generate(prompts, GREEDY)]
-    engine = atom_ray.start(folder, dtype="float32", **layout)
-    try:
-        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "dp2-ep2"])
-def test_qwen3_next_hybrid_over_two_ranks_matches_single_process(ray_cluster, tmp_path_factory, layout):
-    """Qwen3-Next: Gated DeltaNet heads (and their conv channels and recurrent states) split in whole key-head
-    groups at TP=2; at DP=2 + EP=2 each rank keeps its own requests' states while the experts are shared."""
-    import tiny_models
-    folder = str(tiny_models.make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next_parallel")))
-    prompts = PROMPTS + [list(range(3, 40))]
+    folder = str(getattr(tiny_models, f"make_tiny_{family}")(tmp_path_factory.mktemp(family)))
+    prompts = PROMPTS + [list(range(3, 40))]  # longer than gpt-oss's window
     reference = [o.token_ids for o in LLM(folder, dtype="float32", show_progress=False).generate(prompts, GREEDY)]
     engine = atom_ray.start(folder, dtype="float32", **layout)
     try:

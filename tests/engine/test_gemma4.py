@@ -10,7 +10,6 @@ import torch
 import tiny_models
 from engine import LLM, SamplingParams
 from engine.kernels.attention import AttentionOptions
-from engine.loader import build_model, resolve_model
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(50, 75)), [100] * 9 + [200]]
 
@@ -20,15 +19,8 @@ def gemma4_dir(tmp_path_factory):
     return tiny_models.make_tiny_gemma4(tmp_path_factory.mktemp("gemma4"))
 
 
-def engine_logits(folder, prompt, edit=None):
-    model = build_model(resolve_model(str(folder)), torch.float32, torch.device("cpu"), show_progress=False)
-    if edit is not None:
-        edit(model)
-    return tiny_models.engine_logits(model, prompt)
-
-
-def close_to_transformers(ours, reference) -> bool:
-    return ours.shape == reference.shape and (ours - reference).abs().max().item() < 1e-4
+engine_logits = tiny_models.folder_logits
+close_to_transformers = tiny_models.logits_close
 
 
 def test_prompt_logits_match_transformers(gemma4_dir):

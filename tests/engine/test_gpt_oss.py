@@ -21,15 +21,8 @@ def gpt_oss_dir(tmp_path_factory):
     return tiny_models.make_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
 
 
-def engine_logits(folder, prompt, edit=None):
-    model = build_model(resolve_model(str(folder)), torch.float32, torch.device("cpu"), show_progress=False)
-    if edit is not None:
-        edit(model)
-    return tiny_models.engine_logits(model, prompt)
-
-
-def close_to_transformers(ours, reference) -> bool:
-    return ours.shape == reference.shape and (ours - reference).abs().max().item() < 1e-4
+engine_logits = tiny_models.folder_logits
+close_to_transformers = tiny_models.logits_close
 
 
 def test_prompt_logits_match_transformers(gpt_oss_dir):
