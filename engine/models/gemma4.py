@@ -21,11 +21,12 @@ from engine.kernels import ops
 from engine.kernels.attention import AttentionOptions
 from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.fused_moe import FusedMoE, Router, RouterConfig
+from engine.layers.fused_moe import FusedMoE
+from engine.layers.moe_router import Router, RouterConfig
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, layer_attention_shape
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -49,20 +50,11 @@ def unsupported_features(config) -> list[str]:
     return missing
 
 
-def layer_shape(config, layer_index: int) -> tuple[int, int]:
-    """(head size, KV heads) of one layer: the per-layer overrides of transformers' Gemma 4 config (the full
-    layers' global_head_dim and num_global_key_value_heads) over the defaults."""
-    if vars(config).get("_heterogeneity_spec") is not None:  # the global head_dim is ambiguous then
-        layer = config.per_layer_config[layer_index]
-        return int(layer.head_dim), int(layer.num_key_value_heads)
-    return int(config.head_dim), int(config.num_key_value_heads)
-
-
 class Gemma4Attention(nn.Module):
     def __init__(self, config, layer_index: int) -> None:
         super().__init__()
         layer_type = config.layer_types[layer_index]
-        self.head_dim, num_kv_heads = layer_shape(config, layer_index)
+        self.head_dim, num_kv_heads = layer_attention_shape(config, layer_index)
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           num_kv_heads, bias=bias)

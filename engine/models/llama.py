@@ -21,6 +21,17 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_attention_shape(config, layer_index: int) -> tuple[int, int]:
+    """(head size, KV heads) of one layer: transformers' per-layer overrides in a heterogeneous config (Gemma
+    4's full layers: global_head_dim, num_global_key_value_heads; there the global head_dim is ambiguous and
+    reading it raises), else the config's one shape."""
+    if vars(config).get("_heterogeneity_spec") is not None:
+        config = config.per_layer_config[layer_index]
+        return int(config.head_dim), int(config.num_key_value_heads)
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    return int(head_dim_of(config)), int(getattr(config, "num_key_value_heads", None) or heads)
+
+
 def rotary_dim_of(config, head_dim: int) -> int:
     """The rotated features per head: partial_rotary_factor (in rope_parameters with transformers 5, a
     top-level attribute before), else a `rotary_dim` attribute, else the whole head."""

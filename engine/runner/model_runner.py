@@ -29,45 +29,9 @@ from engine.runner.expert_load import expert_load_tracker
 from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
+from engine.runner.model_facts import model_facts  # noqa: F401 (also imported from here by tests)
 
 logger = logging.getLogger(__name__)
-
-
-def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.ModelFacts:
-    """What the kernel backends decide their ops on (engine.kernels.registry.ModelFacts)."""
-    from engine.loader.quant_plan import resolve_quant_plan
-    plan = resolve_quant_plan(hf_config, config.quantization)
-    text = getattr(hf_config, "text_config", None) or hf_config
-    heads = getattr(text, "num_attention_heads", 1) or 1
-    shapes = attention_shapes(text, heads)
-    window = getattr(text, "sliding_window", None)
-    uses_window = bool(window) and getattr(text, "use_sliding_window", True) is not False
-    mla = {}
-    if getattr(text, "kv_lora_rank", None):
-        from engine.layers.linear import shard_range
-        state = get_parallel_state()
-        mla = dict(mla_heads=shard_range(heads, state.tp_size, state.tp_rank)[1],
-                   mla_entry=(int(text.kv_lora_rank), int(text.qk_rope_head_dim)))
-    epilogue = ("expert biases and gpt-oss's activation" if getattr(text, "swiglu_alpha", None) is not None
-                else "GELU-tanh experts" if getattr(text, "enable_moe_block", False) else None)
-    return kernels.ModelFacts(**mla, clamped_experts=getattr(text, "swiglu_limit", None) is not None,
-                              expert_epilogue=epilogue, head_sizes=tuple(sorted({size for size, _ in shapes})),
-                              gqa_ratios=tuple(sorted({heads // max(kv, 1) for _, kv in shapes})),
-                              sliding_window=uses_window, block_size=config.block_size, dtype=dtype,
-                              fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales,
-                              linear_quant=plan.default_linear if plan else None,
-                              experts_quant=plan.default_experts if plan else None)
-
-
-def attention_shapes(text, heads: int) -> set[tuple[int, int]]:
-    """(head size, KV heads) of every attention layer: per layer where the config varies them (transformers'
-    heterogeneous configs: Gemma 4's wider full-attention heads), else the config's one shape."""
-    if vars(text).get("_heterogeneity_spec") is not None:  # per-layer overrides (reading the global raises)
-        per_layer = text.per_layer_config
-        return {(int(per_layer[i].head_dim), int(per_layer[i].num_key_value_heads or heads))
-                for i in range(text.num_hidden_layers)}
-    head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return {(int(head_size), int(getattr(text, "num_key_value_heads", None) or heads))}
 
 
 def _granularities(layer: KVCacheLayer) -> tuple[str, ...]:

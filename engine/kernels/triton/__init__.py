@@ -12,7 +12,7 @@ import torch
 from engine.kernels.registry import KernelBackend
 from engine.kernels.torch import gdn as torch_gdn
 from engine.kernels.torch import ops as torch_ops
-from engine.kernels.triton import gemv, mla, moe, moe_quant, ops, quant
+from engine.kernels.triton import gemv, mla, moe, moe_quant, moe_routing, ops, quant
 from engine.kernels.triton.attention import TritonAttentionBackend
 from engine.kernels.triton.sampling import sample
 
@@ -38,8 +38,8 @@ BACKEND = KernelBackend(
         "moe_topk_softmax": moe.moe_topk_softmax,
         "moe_grouped_topk": moe.moe_grouped_topk,  # the torch reference (see moe.py)
         "fused_experts": moe.fused_experts,
-        "moe_route_mask": moe.moe_route_mask,
-        "moe_local_slots": moe.moe_local_slots,
+        "moe_route_mask": moe_routing.moe_route_mask,
+        "moe_local_slots": moe_routing.moe_local_slots,
         "gemm_fp8_tensor": quant.gemm_quantized,
         "gemm_fp8_channel": quant.gemm_quantized,
         "gemm_fp8_block": quant.gemm_quantized,

@@ -13,7 +13,7 @@ import torch
 from triton_device import DEVICE, ON_GPU  # noqa: E402  (skips the module without Triton)
 
 from engine.kernels.torch import moe as reference  # noqa: E402
-from engine.kernels.triton import moe  # noqa: E402
+from engine.kernels.triton import moe, moe_routing  # noqa: E402
 
 HIDDEN, INTER, EXPERTS = 96, 40, 8  # not powers of two: every tile has masked rows or columns
 
@@ -188,7 +188,7 @@ def test_route_mask_routes_padding_rows_nowhere_and_counts_like_the_reference(va
         weights = torch.nan_to_num(weights)
     counts = {name: torch.zeros(EXPERTS + 1, dtype=torch.int64, device=DEVICE) if count else None
               for name in ("triton", "torch")}
-    got = moe.moe_route_mask(weights, ids, 5, limit, counts["triton"])  # rows numbered from 5
+    got = moe_routing.moe_route_mask(weights, ids, 5, limit, counts["triton"])  # rows numbered from 5
     expected = reference.moe_route_mask(weights, ids, 5, limit, counts["torch"])
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
     if valid != "none":
@@ -206,7 +206,7 @@ def test_local_slots_keep_this_ranks_experts_and_count_every_ranks_pairs(count):
     routing = gathered[:, hidden:]
     counts = {name: torch.zeros(EXPERTS + 1, dtype=torch.int64, device=DEVICE) if count else None
               for name in ("triton", "torch")}
-    got = moe.moe_local_slots(routing, 3, 3, counts["triton"])
+    got = moe_routing.moe_local_slots(routing, 3, 3, counts["triton"])
     expected = reference.moe_local_slots(routing, 3, 3, counts["torch"])
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert set(got[0].unique().tolist()) <= {-1, 0, 1, 2} and got[1][got[0] == -1].eq(0).all()
