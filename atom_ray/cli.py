@@ -85,7 +85,7 @@ def run_kernels(args: argparse.Namespace) -> int:
     from engine import EngineConfig, kernels
     from engine.loader import resolve_model
     from engine.runner.device import resolve_device, resolve_dtype
-    from engine.runner.model_runner import format_op_table, model_facts
+    from engine.runner.model_facts import format_op_table, model_facts
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs_from_args(args))
     source = resolve_model(config.model, config.load_format, config.hf_overrides)
     device = resolve_device(config.device)

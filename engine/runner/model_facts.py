@@ -1,5 +1,5 @@
 """What the kernel backends decide their ops on, read from a model's config once at start-up
-(engine.kernels.registry.ModelFacts)."""
+(engine.kernels.registry.ModelFacts), and the op table that results."""
 from __future__ import annotations
 
 import torch
@@ -35,3 +35,10 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
                               fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales,
                               linear_quant=plan.default_linear if plan else None,
                               experts_quant=plan.default_experts if plan else None)
+
+
+def format_op_table(backend: kernels.KernelBackend) -> str:
+    """The op -> implementation table, one aligned line per op."""
+    rows = backend.table()
+    width = max(len(op) for op, _ in rows)
+    return "\n".join(f"  {op:<{width}}  {impl}" for op, impl in rows)

@@ -29,7 +29,7 @@ from engine.runner.expert_load import expert_load_tracker
 from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
-from engine.runner.model_facts import model_facts  # noqa: F401 (also imported from here by tests)
+from engine.runner.model_facts import format_op_table, model_facts
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,6 @@ logger = logging.getLogger(__name__)
 def _granularities(layer: KVCacheLayer) -> tuple[str, ...]:
     """The FP8 KV-scale granularities a cache layer can keep (MHA: both; MLA's latent cache: "tensor")."""
     return layer.fp8_kv_scale_granularities
-
-
-def format_op_table(backend: kernels.KernelBackend) -> str:
-    """The op -> implementation table, one aligned line per op."""
-    rows = backend.table()
-    width = max(len(op) for op, _ in rows)
-    return "\n".join(f"  {op:<{width}}  {impl}" for op, impl in rows)
 
 
 class PendingOutput:

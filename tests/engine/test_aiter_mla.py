@@ -232,7 +232,7 @@ def test_shapes_the_mla_kernels_cannot_take_and_clamped_experts_fall_back_at_sta
 def test_model_facts_carry_the_mla_shape_and_the_clamp(tmp_path):
     from engine.config import EngineConfig
     from engine.loader.source import load_hf_config
-    from engine.runner.model_runner import model_facts
+    from engine.runner.model_facts import model_facts
     root = Path(__file__).parents[2] / "benchmarks" / "configs"
     v3 = model_facts(load_hf_config(root / "deepseek-v3"), EngineConfig(model="x"), torch.bfloat16)
     assert (v3.mla_heads, v3.mla_entry, v3.clamped_experts) == (128, (512, 64), False)
