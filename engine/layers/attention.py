@@ -105,3 +105,37 @@ class Attention(KVCacheLayer):
             value.view(-1, self.num_kv_heads, self.head_size),
             self.kv_cache, metadata, self.scale, context.block_size, rope, kv_quant=self.kv_quant, **extra)
         return out.view(-1, self.num_heads * self.head_size)
+
+
+class SharedKVAttention(Attention):
+    """Attention over another layer's KV cache (KV sharing between layers: Gemma 4 E2B/E4B's last layers
+    reuse the keys and values of an earlier layer of their type). It declares no cache, so the runner
+    allocates nothing for it; each step it reads `source`'s cache, cache group and FP8 scales. Its caller
+    passes the keys and values the source computed this step (before rotation, rotated here by the same
+    table): the backend contract has no read-only path, so the backend writes them again to the same slots,
+    the bytes the source wrote, into memory that is the source's."""
+
+    def __init__(self, source: Attention, num_heads: int, scale: float) -> None:
+        super().__init__(num_heads, source.head_size, scale, source.num_kv_heads, source.options)
+        self._source = (source,)  # in a tuple, not a submodule: its parameters stay where the model holds them
+
+    @property
+    def source(self) -> Attention:
+        return self._source[0]
+
+    @property
+    def checkpoint_kv_scales(self) -> bool:
+        """The source's: the FP8 scales this layer reads are the source's."""
+        return self.source.checkpoint_kv_scales
+
+    @checkpoint_kv_scales.setter
+    def checkpoint_kv_scales(self, value: bool) -> None:
+        pass  # Attention.__init__ and the k/v scale loader set it: a shared layer has no scales of its own
+
+    def cache_specs(self) -> dict[str, CacheSpec]:
+        return {}
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rope=None) -> torch.Tensor:
+        source = self.source
+        self.kv_cache, self.kv_quant = source.kv_cache, source.kv_quant
+        return super().forward(query, key, value, rope)

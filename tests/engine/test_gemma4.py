@@ -1,7 +1,7 @@
 """Gemma 4 (dense text stack) against transformers' Gemma4ForCausalLM on a tiny random checkpoint (float32, CPU):
 sliding and full layers with different head sizes and KV heads (two cache groups), K as V on the full layers,
 proportional RoPE, weightless v norm, sandwich norms, layer scalars, scaled embeddings, soft-capped logits.
-Each feature has a negative control that breaks the comparison."""
+Each feature has a negative control that breaks the comparison. The E2B/E4B extras: test_gemma4_small.py."""
 from __future__ import annotations
 
 import pytest
@@ -75,16 +75,6 @@ def test_greedy_tokens_through_two_cache_groups_of_different_head_sizes(gemma4_d
     groups = {(g["ratio"], g["window"]): g for g in llm.engine.stats()["kv_cache_groups"]}
     assert set(groups) == {(1, None), (1, tiny_models.GEMMA4_CONFIG["sliding_window"])}
     assert all(g["num_free_blocks"] == g["num_blocks"] for g in groups.values())
-
-
-@pytest.mark.parametrize("overrides,named", [
-    (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=389), "per-layer input embeddings"),
-    (dict(num_kv_shared_layers=2), "KV sharing between layers"),
-])
-def test_unbuilt_gemma4_features_are_refused_by_name(tmp_path, overrides, named):
-    folder = tiny_models.make_tiny_gemma4(tmp_path / "variant", **overrides)
-    with pytest.raises(ValueError, match=named):
-        LLM(str(folder), dtype="float32", show_progress=False)
 
 
 def test_the_text_stack_of_a_gemma4_multimodal_checkpoint_serves_the_text_models_tokens(gemma4_dir, tmp_path):
