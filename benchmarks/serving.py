@@ -185,7 +185,7 @@ def main() -> None:
     results["haproxy_ingress"] = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     serve.run(build_app({"model": model, "served_model_name": "bench", "engine_args": ENGINE_ARGS,
-                         "max_pending_requests": 4096}), name="bench", route_prefix="/", blocking=False)
+                         "max_pending_sequences": 4096}), name="bench", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{args.port}"
     wait_until_healthy(f"{base}/health", 900)
     asyncio.run(sweep_level(base, "bench", requests_for(4, 99, vocab_size), 4))  # warm-up

@@ -194,9 +194,9 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, first_head, used, num_splits, sin
         m = m_new
     if SINKS:  # counted once, after every split
         heads = sink_head + tl.minimum(tl.arange(0, GROUP_PAD), GROUP - 1)
-        acc, l = with_sinks(acc, tl.reshape(m, [GROUP_PAD]), tl.reshape(l, [GROUP_PAD]), sinks_ptr, heads,
-                            heads >= 0)
-        return acc / l[:, None]
+        acc, l_sunk = with_sinks(acc, tl.reshape(m, [GROUP_PAD]), tl.reshape(l, [GROUP_PAD]), sinks_ptr, heads,
+                                 heads >= 0)
+        l = tl.reshape(l_sunk, [GROUP_PAD, 1])  # one return: the compiler also walks code after a returning branch
     return acc / l
 
 
