@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 26's measurements on a two-GPU host, in the order they matter, each step under its own time limit so
 # that a slow step leaves the others' JSON in $OUT. Times seen on 2x H200 (2026-11-27): an engine start
-# 25-45 s, a Qwen3-30B-A3B layout 90-110 s with the 512 requests, a DeepSeek-V2-Lite or Llama-3.1-8B layout
-# 50-70 s with 256. The whole script needs about 19 minutes: run it as two device calls (PART=1, PART=2),
-# each under 10 minutes.
+# 25-45 s, a Qwen3-30B-A3B layout 90-110 s with the 512 requests (416 s for all four, 10:26), a DeepSeek-V2-Lite
+# or Llama-3.1-8B one-GPU layout ~60 s and a two-GPU one 76-99 s with 256 requests, the tiny-model check ~80 s
+# a layout, the serving step (an offline engine, then the Serve app: ready after ~170 s) over 230 s. Run it
+# as three device calls of under 10 minutes each: PART=1, PART=2, PART=3.
 # Needs Ray on PYTHONPATH (the README's offline bundle).
 set -u
 OUT=${OUT:-/tmp/multi_gpu_out}
@@ -19,12 +20,13 @@ M="python3 -m benchmarks.multi_gpu"
 if [ "$PART" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
   run qwen3 470 $M --models qwen3-30b-a3b --out "$OUT/qwen3.json"
-  run exchange 80 python3 -m benchmarks.ep_exchange_bench --out "$OUT/exchange.json"
+  run exchange 110 python3 -m benchmarks.ep_exchange_bench --out "$OUT/exchange.json"
+elif [ "$PART" = 2 ]; then
+  run deepseek 220 $M --models deepseek-v2-lite --num-requests 256 --out "$OUT/deepseek.json"
+  run llama 200 $M --models llama-3.1-8b --num-requests 256 --out "$OUT/llama.json"
+  run check 160 $M --check --out "$OUT/check.json"
 else
-  run deepseek 150 $M --models deepseek-v2-lite --out "$OUT/deepseek.json"
-  run llama 130 $M --models llama-3.1-8b --out "$OUT/llama.json"
-  run serving 210 python3 -m benchmarks.serving --model benchmarks/configs/qwen3-30b-a3b --levels 64 \
+  run serving 560 python3 -m benchmarks.serving --model benchmarks/configs/qwen3-30b-a3b --levels 64 \
       --engine-args '{"data_parallel_size": 2, "enable_expert_parallel": true}' --out "$OUT/serving_dp2.json"
-  run check 80 $M --check --out "$OUT/check.json"
 fi
 grep -hE "^(qwen|llama|deep|model|-|c=64|check)" "$OUT"/*.log | cut -c1-300
