@@ -10,11 +10,14 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.torch import gdn as torch_gdn
 from engine.kernels.torch import ops as torch_ops
-from engine.kernels.triton import gemv, mla, moe, moe_quant, moe_routing, ops, quant
+from engine.kernels.triton import gdn, gemv, mla, moe, moe_quant, moe_routing, ops, quant
 from engine.kernels.triton.attention import TritonAttentionBackend
 from engine.kernels.triton.sampling import sample
+
+# Gated DeltaNet: flash-linear-attention's Triton kernels where `fla` imports (the optional `gdn` extra), else
+# the torch references (a recurrence per token); chosen once, here, and logged (see gdn.py).
+_GDN_OPS = gdn.select_ops()
 
 BACKEND = KernelBackend(
     name="triton",
@@ -29,9 +32,8 @@ BACKEND = KernelBackend(
         "rms_norm_gated": torch_ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
-        # The torch references (a recurrence per token): no Triton GDN kernels yet (see docs/ARCHITECTURE.md).
-        "causal_conv1d": torch_gdn.causal_conv1d,
-        "gated_delta_rule": torch_gdn.gated_delta_rule,
+        "causal_conv1d": _GDN_OPS["causal_conv1d"],
+        "gated_delta_rule": _GDN_OPS["gated_delta_rule"],
         "gelu_tanh_and_mul": ops.gelu_tanh_and_mul,
         "gated_gemm": gemv.gated_gemm,
         "sample": sample,
