@@ -5,6 +5,11 @@ of the EP group replays the same size (the largest rank's batch, padded: `padded
 rank a batch of padding rows only (`run_dummy`); the graphs' MoE layers read how many rows are real from a
 device buffer, so padding rows reach no expert.
 
+A model with several paged cache groups of one entry per token (sliding-window layers beside full ones,
+Gemma 4's two head sizes) has a slot-mapping row and a block table per group in the same two buffers; each
+layer reads its group's views through the captured metadata (`for_group`). Groups of several tokens per
+entry (DeepSeek-V4's compressed caches) and state pools (Gated DeltaNet) stay eager: their layers say so.
+
 Attention metadata is captured at the longest possible context (max_model_len), so backends that size
 launch grids from the context (split-K decode) bake in a grid that covers every later step; shorter
 contexts exit early inside the kernels.
@@ -46,28 +51,45 @@ def padded_step_tokens(num_tokens: int, sizes: list[int], multiple: int = 64) ->
     return -(-num_tokens // multiple) * multiple
 
 
-def pack_tokens(host: HostInputs | None, size: int) -> np.ndarray:
-    """int64 [4, size]: input ids, positions, slot mapping (-1: a padding row, nothing stored) and the row of
-    the previous step's samples that each still-pending input id comes from (-1: none)."""
+def uncapturable_layers(cache_layers, layout) -> list[str]:
+    """Why a model's decode steps cannot be captured: the classes of its layers that say so, or its cache
+    groups of several tokens per entry / its state pool; empty where graphs can serve it."""
+    eager = sorted({type(m).__name__ for m in cache_layers if not m.supports_cuda_graphs})
+    if not eager and (any(g.ratio != 1 for g in layout.groups) or layout.num_state_slots):
+        eager = ["a cache group of several tokens per entry or a state pool:"] + sorted(
+            {type(m).__name__ for m in cache_layers})
+    return eager
+
+
+def pack_tokens(host: HostInputs | None, size: int, num_groups: int = 1) -> np.ndarray:
+    """int64 [3 + num_groups, size]: input ids, positions, the first cache group's slot mapping (-1: a padding
+    row, nothing stored), the row of the previous step's samples that each still-pending input id comes from
+    (-1: none), then each further group's slot mapping."""
     batch = len(host.requests) if host is not None else 0
-    tokens = np.zeros((4, size), dtype=np.int64)
+    tokens = np.zeros((3 + num_groups, size), dtype=np.int64)
     tokens[2, batch:] = -1
     tokens[3] = -1
+    tokens[4:, batch:] = -1
     if host is not None:
+        assert len(host.group_slot_mappings) == num_groups - 1, "one slot mapping per cache group"
         tokens[0, :batch], tokens[1, :batch], tokens[2, :batch] = host.input_ids, host.positions, host.slot_mapping
         tokens[3, host.pending_positions] = host.pending_rows
+        for row, slots in enumerate(host.group_slot_mappings, start=4):
+            tokens[row, :batch] = slots
     return tokens
 
 
-def pack_tables(host: HostInputs | None, size: int, width: int) -> np.ndarray:
-    """int32 [size + size * width]: sequence lengths (1 for padding rows), then a [size, width] block table
-    (zeros past each row's blocks)."""
-    tables = np.zeros(size * (1 + width), dtype=np.int32)
+def pack_tables(host: HostInputs | None, size: int, width: int, num_groups: int = 1) -> np.ndarray:
+    """int32 [size + num_groups * size * width]: sequence lengths (1 for padding rows), then a [size, width]
+    block table per cache group (zeros past each row's blocks)."""
+    tables = np.zeros(size * (1 + num_groups * width), dtype=np.int32)
     tables[:size] = 1
     if host is not None:
-        batch, used = len(host.requests), host.block_table.shape[1]
+        batch = len(host.requests)
         tables[:batch] = host.seq_lens
-        tables[size:].reshape(size, width)[:batch, :used] = host.block_table
+        for group, table in enumerate([host.block_table, *host.group_tables][:num_groups]):
+            start = size + group * size * width
+            tables[start:start + size * width].reshape(size, width)[:batch, :table.shape[1]] = table
     return tables
 
 
@@ -83,20 +105,25 @@ def fill_pending(input_ids: torch.Tensor, sources: torch.Tensor, last_sampled: t
 
 class DecodeGraphs:
     """Each captured size B has its own fixed-address inputs, laid out so that a step's inputs reach them in
-    two host-to-device copies: int64 [4, B] (input ids, positions, slot mapping, and the row of the previous
-    step's samples that a still-pending input id comes from, or -1) and int32 [B + B * max_blocks] (sequence
-    lengths, then the block table; where those rows are long and mostly unused, the used columns go over
-    and are placed on the device). Padding rows write nothing to the cache and attend to one token."""
+    two host-to-device copies: int64 [3 + G, B] (input ids, positions, the first cache group's slot mapping,
+    the row of the previous step's samples that a still-pending input id comes from, or -1, then the slot
+    mappings of the other G - 1 groups) and int32 [B + G * B * max_blocks] (sequence lengths, then each
+    group's block table; where those rows are long and mostly unused, the used columns go over and are
+    placed on the device). Padding rows write nothing to any cache and attend to one token."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, max_batch: int,
-                 device: torch.device) -> None:
+                 device: torch.device, group_keys: list[tuple[int, int | None]] = (FULL_GROUP,)) -> None:
+        assert all(ratio == 1 for ratio, _ in group_keys), "graphs hold cache groups of one entry per token"
         self.model, self.attn_backend, self.block_size = model, attn_backend, block_size
+        self.group_keys = list(group_keys)
+        self.num_groups = len(self.group_keys)
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
-        self.tokens = {size: torch.from_numpy(pack_tokens(None, size)).to(device) for size in self.sizes}
-        self.tables = {size: torch.from_numpy(pack_tables(None, size, self.max_blocks)).to(device)
+        self.tokens = {size: torch.from_numpy(pack_tokens(None, size, self.num_groups)).to(device)
+                       for size in self.sizes}
+        self.tables = {size: torch.from_numpy(pack_tables(None, size, self.max_blocks, self.num_groups)).to(device)
                        for size in self.sizes}
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.valid_tokens = torch.zeros(1, dtype=torch.int64, device=device)  # real rows of the replayed batch
@@ -105,12 +132,22 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _views(self, size: int):
-        """(input ids, positions, slot mapping, pending source rows, seq lens, block table) of size's buffers."""
+        """(input ids, positions, slot mapping, pending source rows, seq lens, block table) of size's buffers,
+        the first cache group's slot mapping and table."""
         tokens, tables = self.tokens[size], self.tables[size]
-        return (*tokens, tables[:size], tables[size:].view(size, self.max_blocks))
+        return (*tokens[:4], tables[:size], tables[size:size * (1 + self.max_blocks)].view(size, self.max_blocks))
+
+    def _group_views(self, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(block table [size, max_blocks], slot mapping [size]) of each cache group, in `group_keys` order."""
+        tokens, tables = self.tokens[size], self.tables[size]
+        area = size * self.max_blocks
+        return [(tables[size + g * area:size + (g + 1) * area].view(size, self.max_blocks),
+                 tokens[2] if g == 0 else tokens[3 + g]) for g in range(self.num_groups)]
 
     def _metadata(self, batch: int):
-        _, _, slot_mapping, _, seq_lens, block_table = self._views(batch)
+        seq_lens = self._views(batch)[4]
+        views = self._group_views(batch)
+        (block_table, slot_mapping) = views[0]
         common = CommonAttentionMetadata(
             num_seqs=batch, num_decodes=batch, num_tokens=batch,
             query_start_loc=self.query_start_loc[:batch + 1], seq_lens=seq_lens,
@@ -118,8 +155,9 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[self.max_model_len] * batch,
             num_computed_tokens_cpu=[self.max_model_len - 1] * batch)
-        # Captured only for models with one paged group, the full one (no host copy of its table).
-        common.groups = {FULL_GROUP: CacheGroupMetadata(1, None, self.block_size, block_table, slot_mapping, None)}
+        # No host copy of the tables: what a captured kernel reads comes from the buffers.
+        common.groups = {key: CacheGroupMetadata(1, key[1], self.block_size, table, slots, None)
+                         for key, (table, slots) in zip(self.group_keys, views)}
         return self.attn_backend.build_metadata(common, self.block_size)
 
     @torch.inference_mode()
@@ -164,17 +202,19 @@ class DecodeGraphs:
         `last_sampled`) filled in, then the replay."""
         batch = len(host.requests)
         size = max(size or 0, self.padded_size(batch))
-        self.tokens[size].copy_(torch.from_numpy(pack_tokens(host, size)).pin_memory(), non_blocking=True)
-        width = host.block_table.shape[1]
-        if whole_table_rows(size, width, self.max_blocks):
-            tables = pack_tables(host, size, self.max_blocks)
+        groups = self.num_groups
+        self.tokens[size].copy_(torch.from_numpy(pack_tokens(host, size, groups)).pin_memory(), non_blocking=True)
+        width = max(table.shape[1] for table in [host.block_table, *host.group_tables])
+        if whole_table_rows(size * groups, width, self.max_blocks):
+            tables = pack_tables(host, size, self.max_blocks, groups)
             self.tables[size].copy_(torch.from_numpy(tables).pin_memory(), non_blocking=True)
-        else:  # long rows mostly unused (a large max_model_len): copy [size, width], then place it
-            staged = torch.from_numpy(pack_tables(host, size, width)).pin_memory().to(
+        else:  # long rows mostly unused (a large max_model_len): copy [size, width] a group, then place them
+            staged = torch.from_numpy(pack_tables(host, size, width, groups)).pin_memory().to(
                 self.tables[size].device, non_blocking=True)
-            seq_lens, block_table = self._views(size)[4:]
-            seq_lens.copy_(staged[:size])
-            block_table[:, :width].copy_(staged[size:].view(size, width))
+            self._views(size)[4].copy_(staged[:size])
+            for group, (block_table, _) in enumerate(self._group_views(size)):
+                start = size + group * size * width
+                block_table[:, :width].copy_(staged[start:start + size * width].view(size, width))
         if host.pending_positions:
             assert last_sampled is not None
             fill_pending(self.tokens[size][0, :batch], self.tokens[size][3, :batch], last_sampled,
@@ -186,7 +226,8 @@ class DecodeGraphs:
     def run_dummy(self, size: int) -> None:
         """Replay `size`'s graph over padding rows only (an idle DP rank's lockstep step): they write no
         cache entry, attend to one token of whatever block their table row names, and reach no expert."""
-        self.tokens[size].copy_(torch.from_numpy(pack_tokens(None, size)).pin_memory(), non_blocking=True)
+        self.tokens[size].copy_(torch.from_numpy(pack_tokens(None, size, self.num_groups)).pin_memory(),
+                                non_blocking=True)
         self._views(size)[4].fill_(1)
         self._set_valid(0)
         self.graphs[size].replay()

@@ -24,7 +24,7 @@ from engine.layers.fused_moe import uncapturable_exchanges
 from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
 from engine.loader import ModelSource, build_model
 from engine.parallel import enable_fused_all_reduce_norm, get_parallel_state
-from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_step_tokens
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_step_tokens, uncapturable_layers
 from engine.runner.expert_load import expert_load_tracker
 from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
@@ -245,11 +245,7 @@ class ModelRunner:
         if uncapturable and self.uses_cuda and not self.config.enforce_eager:
             logger.info("expert parallelism: decode steps run eagerly (the %s exchange keeps its own "
                         "device-side counts and is not captured in CUDA graphs)", uncapturable[0])
-        eager_layers = sorted({type(m).__name__ for m in self.cache_layers if not m.supports_cuda_graphs})
-        if not eager_layers and (len(layout.groups) > 1 or layout.num_state_slots
-                                 or layout.groups[0].key != FULL_GROUP):
-            eager_layers = ["several cache groups or a state pool:"] + sorted(
-                {type(m).__name__ for m in self.cache_layers})
+        eager_layers = uncapturable_layers(self.cache_layers, layout)
         if eager_layers and self.uses_cuda and not self.config.enforce_eager:
             logger.info("decode steps run eagerly: %s layers cannot be captured in a CUDA graph yet",
                         ", ".join(eager_layers))
@@ -260,7 +256,7 @@ class ModelRunner:
             # Every rank of an EP group captures the same sizes in the same order: their warm-up passes'
             # exchanges match.
             graphs = DecodeGraphs(self.model, self.attn_backend, self.block_size, self.max_model_len,
-                                  self.config.max_num_seqs, self.device)
+                                  self.config.max_num_seqs, self.device, self._group_keys)
             try:
                 graphs.capture()
                 self.graphs = graphs

@@ -85,6 +85,31 @@ def test_graph_replay_gives_the_eager_tokens(arch, table_copy, tiny_model_dirs, 
         [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
 
 
+WINDOW_MODELS = {
+    "gpt-oss": tiny_models.make_tiny_gpt_oss,
+    "gemma4": tiny_models.make_tiny_gemma4,
+    "gemma4-moe": lambda folder: tiny_models.make_tiny_gemma4(
+        folder, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+}
+
+
+@pytest.mark.parametrize("table_copy", ["whole rows", "used columns"])
+@pytest.mark.parametrize("family", list(WINDOW_MODELS))
+def test_graph_replay_of_two_cache_groups_gives_the_eager_tokens(family, table_copy, tmp_path, monkeypatch):
+    """Sliding-window and full layers (gpt-oss: sinks; Gemma 4: two head sizes, K as V) replayed from decode
+    graphs whose buffers hold both groups' tables and slots, prompts longer than the windows."""
+    from engine.runner import cuda_graphs
+    if table_copy == "used columns":
+        monkeypatch.setattr(cuda_graphs, "_WHOLE_ROWS_BYTES", 0)
+    folder = str(WINDOW_MODELS[family](tmp_path / family))
+    graphs = LLM(folder, dtype="float32", kernel_backend="triton", show_progress=False)
+    assert graphs.engine.executor.runner.graphs is not None
+    assert graphs.engine.executor.runner.graphs.num_groups == 2
+    eager = LLM(folder, dtype="float32", kernel_backend="triton", enforce_eager=True, show_progress=False)
+    assert [o.token_ids for o in graphs.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+
+
 def test_float32_residual_stream_gives_the_eager_tokens_in_graphs(tiny_model_dirs):
     """bf16 with residual_dtype float32: CUDA-graph replay (float32 sums out of the skinny GEMM, a float32
     stream through the fused norms) gives the eager run's tokens."""

@@ -53,6 +53,18 @@ def decode_batch(pending: list[bool]):
     return prepare_host_inputs(requests, {name: 1 for name in requests}, block_size=16)
 
 
+def two_group_batch():
+    """The decode step of decode_batch([True, False, True]) with a second (sliding-window) cache group whose
+    blocks are 40 + 2r + 1, 40 + 2r + 2."""
+    requests = {}
+    for r, is_pending in enumerate([True, False, True]):
+        computed = 20 if is_pending else 19
+        requests[f"r{r}"] = RunnerRequest(f"r{r}", list(range(100 * r, 100 * r + 20)), 8, SamplingParams(),
+                                          [2 * r + 1, 2 * r + 2], computed, int(is_pending), 5 - r, 1,
+                                          group_block_ids=[[41 + 2 * r, 42 + 2 * r]])
+    return prepare_host_inputs(requests, {name: 1 for name in requests}, block_size=16, group_ratios=(1, 1))
+
+
 def test_graph_token_buffer_pads_rows_and_marks_pending_sources():
     import numpy as np
 
@@ -174,3 +186,48 @@ def test_only_decode_only_plans_within_the_graphs_can_replay():
     assert graphs.can_replay(SchedulerOutput([with_logprobs], num_scheduled_tokens={"new": 1}), running)
     with_logprobs.num_computed_tokens = 1  # a prompt position still to score
     assert not graphs.can_replay(SchedulerOutput([with_logprobs], num_scheduled_tokens={"new": 1}), running)
+
+
+@pytest.mark.parametrize("max_model_len", [128, 1 << 20], ids=["whole rows", "used columns"])
+def test_graphs_of_two_cache_groups_fill_each_groups_table_and_slots(max_model_len, monkeypatch):
+    """A model with a sliding-window group beside the full one (gpt-oss, Gemma 4): each group has its own
+    slot-mapping row and block table in the size's buffers, the captured metadata hands each layer its
+    group's views (`for_group`), padding rows store nothing in either group, an idle rank's dummy step
+    neither."""
+    import torch
+
+    from engine.kernels.attention import AttentionBackend
+    from engine.runner.cuda_graphs import DecodeGraphs
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    full, window = (1, None), (1, 8)
+    backend = type("Backend", (AttentionBackend,), {"build_metadata": staticmethod(lambda common, size: common)})
+    graphs = DecodeGraphs(None, backend, 16, max_model_len, 8, torch.device("cpu"), [full, window])
+    seen = []
+
+    class Replay:
+        def __init__(self, size):
+            self.size = size
+
+        def replay(self):
+            seen.append([(t.clone(), s.clone()) for t, s in graphs._group_views(self.size)])
+
+    graphs.graphs = {size: Replay(size) for size in graphs.sizes}
+    graphs.outputs = {size: torch.zeros(size, 2) for size in graphs.sizes}
+    for table, _ in graphs._group_views(4):
+        table.fill_(99)  # stale entries from an earlier step
+    host = two_group_batch()
+    graphs.run(host, torch.arange(70, 76))
+    (full_table, full_slots), (window_table, window_slots) = seen[0]
+    assert full_table[:, :2].tolist() == [[1, 2], [3, 4], [5, 6], [0, 0]]
+    assert window_table[:, :2].tolist() == [[41, 42], [43, 44], [45, 46], [0, 0]]
+    assert full_slots.tolist() == host.slot_mapping.tolist() + [-1]
+    assert window_slots.tolist() == host.group_slot_mappings[0].tolist() + [-1]
+    assert window_slots.tolist()[:3] == [42 * 16 + 4, 44 * 16 + 3, 46 * 16 + 4], "the window group's own blocks"
+    graphs.run_dummy(4)
+    assert all(slots.tolist() == [-1] * 4 for _, slots in seen[1]), "an idle rank stores in no group"
+
+    metadata = graphs._metadata(4)
+    for key, (table, slots) in zip([full, window], graphs._group_views(4)):
+        view = metadata.for_group(key)
+        assert view.block_table.data_ptr() == table.data_ptr() and view.slot_mapping.data_ptr() == slots.data_ptr()
+    assert metadata.for_group(full) is metadata and metadata.for_group(window) is metadata.for_group(window)
