@@ -139,15 +139,17 @@ class CacheLayout:
 
     @property
     def prefix_caching_blocker(self) -> str | None:
-        """Why a cached prefix could not be reused exactly (every reason), or None."""
+        """Why a cached prefix could not be reused exactly (every reason), or None. Groups of one entry per
+        token, sliding windows included, cache their blocks by prefix (a window group's hit needs only the
+        blocks its window reaches); a compressed group's or the state pool's contents are not a function of
+        whole cached blocks."""
         reasons = []
         for group in self.groups:
-            if not group.prefix_cacheable:
-                what = (f"a sliding window of {group.window} tokens" if group.window
-                        else f"one entry per {group.ratio} tokens")
-                reasons.append(f"its {'/'.join(group.kinds) or 'cache'} layers keep {what}")
+            if group.ratio != 1:
+                reasons.append(f"its {'/'.join(group.kinds) or 'cache'} layers keep one entry per {group.ratio} "
+                               "tokens (the entry at a cached prefix's end may be partial)")
         if self.num_state_slots:
-            reasons.append("it keeps per-request state (a cached prefix has no saved state)")
+            reasons.append("it keeps per-request state (recurrent state cannot be restored from a cached prefix)")
         return "; ".join(reasons) or None
 
     @classmethod

@@ -8,6 +8,11 @@ least recently freed cached block is evicted first.
 A model's caches form groups (engine/kv_cache_spec.py): one BlockManager per paged group (its entries per
 token `1 / ratio`, its sliding window), plus a slot pool for per-request state. `KVCacheManager` admits a
 request only when every group has its blocks and, if the model keeps state, a slot is free.
+
+Every group of one entry per token caches its own blocks under the same hashes. A sliding-window group's
+blocks that fall out of a request's window go to its free queue still cached, like a finished request's.
+A prefix hit of n blocks counts only if every group holds every block a query from token n * block_size
+on reads: a full group all n, a window group the last ones its window reaches (`find_prefix_hit`).
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ from dataclasses import dataclass
 
 from engine.core.request import GroupBlocks, Request
 from engine.kv_cache_spec import CacheLayout
+
+
+UNTAKEN_BLOCK = 0  # table entry for a block a window's prefix hit does not reach (stale: never read)
 
 
 @dataclass
@@ -34,12 +42,12 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
 class BlockManager:
     """The blocks of one paged cache group: `ratio` tokens per entry, `block_size` entries per block; with a
     `window`, only the last `window` tokens' entries are kept (blocks wholly before the window of the next
-    query are given back). Prefix caching needs ratio 1 and no window. `group` indexes `Request.groups`."""
+    query are given back, still cached). Prefix caching needs ratio 1. `group` indexes `Request.groups`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, ratio: int = 1,
                  window: int | None = None, group: int = 0) -> None:
         assert num_blocks > 0 and block_size > 0 and ratio >= 1
-        assert not (enable_prefix_caching and (ratio != 1 or window is not None)), "prefix caching needs full caches"
+        assert not (enable_prefix_caching and ratio != 1), "prefix caching needs one entry per token"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ratio, self.window, self.group = ratio, window, group
@@ -73,57 +81,89 @@ class BlockManager:
         blocks = self._blocks(request)
         num_tokens = request.num_computed_tokens + len(cached_block_ids) * self.block_size + num_new_tokens
         needed = self.blocks_needed(num_tokens) - len(blocks.block_ids) - len(cached_block_ids)
-        reclaimed = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        reclaimed = sum(1 for b in cached_block_ids if b is not None and self.blocks[b].ref_count == 0)
         return max(needed, 0) + reclaimed - self._releasable(request, blocks)
 
-    def _releasable(self, request: Request, blocks: GroupBlocks) -> int:
-        """Leading blocks no query from this step on reads: every entry lies before the window of the first
-        query (position num_computed_tokens reads positions > num_computed_tokens - window)."""
+    def first_block_read(self, num_tokens: int) -> int:
+        """The first block any query from position `num_tokens` on reads: 0, or for a window the block of
+        the first query's first key (position num_tokens reads positions > num_tokens - window)."""
         if self.window is None:
             return 0
-        first_needed = max(request.num_computed_tokens - self.window + 1, 0) // self.block_size
+        return max(num_tokens - self.window + 1, 0) // self.block_size
+
+    def _releasable(self, request: Request, blocks: GroupBlocks) -> int:
+        """Leading blocks no query from this step on reads."""
+        first_needed = self.first_block_read(request.num_computed_tokens)
         return max(min(first_needed, len(blocks.block_ids)) - blocks.num_released, 0)
 
     def _release_outside_window(self, request: Request, blocks: GroupBlocks) -> None:
-        for index in range(blocks.num_released, blocks.num_released + self._releasable(request, blocks)):
+        """Give back the blocks the window left behind; those computed are registered first, so that they
+        stay cached (evictable) and a later request with the same prefix may still find them."""
+        releasable = self._releasable(request, blocks)
+        if not releasable:
+            return
+        self.cache_computed_blocks(request)
+        for index in range(blocks.num_released, blocks.num_released + releasable):
             self._unref(blocks.block_ids[index])
-        blocks.num_released += self._releasable(request, blocks)
+        blocks.num_released += releasable
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids holding the longest cached prefix of the request (at least one token is left to
-        compute, so the request still produces logits)."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position computed
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        self._extend_hashes(request, max_blocks)
-        hits = []
-        for block_hash in request.block_hashes[:max_blocks]:
+    def find_cached_prefix(self, request: Request) -> list[int | None]:
+        """This group's blocks for the request's longest cached prefix (at least one token is left to
+        compute, so the request still produces logits); None for leading blocks a window does not reach."""
+        hit = find_prefix_hit([self], request)[0]
+        if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hit) * self.block_size
+        return hit
+
+    def lookup(self, request: Request, num_blocks: int) -> list[int | None]:
+        """The cached block of each of the request's first `num_blocks` full blocks (None: not cached); a
+        full group stops at its first miss, since no hit reaches past it."""
+        self._extend_hashes(request, num_blocks)
+        found = []
+        for block_hash in request.block_hashes[:num_blocks]:
             block_id = self.cached_blocks.get(block_hash)
-            if block_id is None:
+            if block_id is None and self.window is None:
                 break
-            hits.append(block_id)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
-        return hits
+            found.append(block_id)
+        return found
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+    def last_missing(self, found: list[int | None], num_blocks: int) -> int:
+        """The last block a hit of `num_blocks` blocks needs from this group and `found` lacks, or -1. A full
+        group's `found` (from `lookup`) has no gaps."""
+        if self.window is None:
+            return -1
+        for index in range(num_blocks - 1, self.first_block_read(num_blocks * self.block_size) - 1, -1):
+            if found[index] is None:
+                return index
+        return -1
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int | None] = ()) -> bool:
         """Give the request enough blocks for its cached prefix plus `num_new_tokens` more tokens (a window
-        first gives back the blocks it no longer reads). Returns False (and takes nothing) if there are not
-        enough free blocks."""
+        first gives back the blocks it no longer reads). `cached_block_ids` (at admission only) is this
+        group's part of a prefix hit; its leading None are blocks a window does not reach, which the
+        request does not take (stale entries, as if released). Returns False (and takes nothing) if there
+        are not enough free blocks."""
         blocks = self._blocks(request)
         if self.num_new_blocks(request, num_new_tokens, cached_block_ids) > self.num_free_blocks:
             return False
         self._release_outside_window(request, blocks)
         num_tokens = request.num_computed_tokens + len(cached_block_ids) * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(blocks.block_ids) - len(cached_block_ids)
-        for block_id in cached_block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_queue[block_id]
-            block.ref_count += 1
         if cached_block_ids:
-            blocks.block_ids.extend(cached_block_ids)
-            request.num_cached_blocks = len(blocks.block_ids)
+            assert not blocks.block_ids, "a prefix hit is taken only at admission"
+            for block_id in cached_block_ids:
+                if block_id is None:
+                    assert blocks.num_released == len(blocks.block_ids), "untaken blocks lead a hit"
+                    blocks.block_ids.append(UNTAKEN_BLOCK)
+                    blocks.num_released += 1
+                    continue
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free_queue[block_id]
+                block.ref_count += 1
+                blocks.block_ids.append(block_id)
+            blocks.num_cached = len(blocks.block_ids)
         for _ in range(max(num_new_blocks, 0)):
             blocks.block_ids.append(self._take_free_block())
         return True
@@ -134,9 +174,7 @@ class BlockManager:
         for block_id in reversed(blocks.block_ids[blocks.num_released:]):
             self._unref(block_id)
         blocks.block_ids.clear()
-        blocks.num_released = 0
-        if self.group == 0:
-            request.num_cached_blocks = 0
+        blocks.num_released = blocks.num_cached = 0
 
     def _unref(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -146,24 +184,31 @@ class BlockManager:
             self.free_queue[block_id] = None
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose KV is now in the cache."""
+        """Register the request's full blocks whose KV is now in the cache (computed tokens whose ids are
+        still on their way, in a step launched ahead, wait: a block's hash needs all its tokens)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        if num_full <= request.num_cached_blocks:
+        blocks = self._blocks(request)
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(blocks.block_ids))
+        if num_full <= blocks.num_cached:
             return
         self._extend_hashes(request, num_full)
-        for index in range(request.num_cached_blocks, num_full):
-            block = self.blocks[request.block_ids[index]]
+        for index in range(max(blocks.num_cached, blocks.num_released), num_full):
+            block = self.blocks[blocks.block_ids[index]]
             block_hash = request.block_hashes[index]
             if block.block_hash is None and block_hash not in self.cached_blocks:
                 block.block_hash = block_hash
                 self.cached_blocks[block_hash] = block.block_id
-        request.num_cached_blocks = num_full
+        blocks.num_cached = num_full
+
+    @property
+    def cached_blocks_in_use(self) -> bool:
+        return any(b.ref_count for b in self.blocks if b.block_hash is not None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block that no request uses. False if some are still in use."""
-        if any(b.ref_count for b in self.blocks if b.block_hash is not None):
+        if self.cached_blocks_in_use:
             return False
         for block in self.blocks:
             block.block_hash = None
@@ -188,6 +233,40 @@ class BlockManager:
             hashes.append(hash_block(parent, tokens[index * size:(index + 1) * size]))
 
 
+def find_prefix_hit(managers: list[BlockManager], request: Request) -> list[list[int | None]]:
+    """Each group's blocks for the request's longest prefix that every group can serve exactly: n blocks
+    (leaving a token to compute) such that each full group holds all n and each window group the blocks
+    its window reaches from token n * block_size on (the others None: not taken). From the full groups'
+    longest hit, n walks down past the last block some window group lacks (a hit ending after a missing
+    block its window reaches cannot count). Nothing with prompt logprobs: they need every position."""
+    first = managers[0]
+    if not first.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        return [[] for _ in managers]
+    max_blocks = (request.num_tokens - 1) // first.block_size
+    found = [manager.lookup(request, max_blocks) for manager in managers]
+    num_blocks = min(len(ids) for ids in found)
+    while num_blocks:
+        missing = max(manager.last_missing(ids, num_blocks) for manager, ids in zip(managers, found))
+        if missing < 0:
+            break
+        num_blocks = missing
+    hits = []
+    for manager, ids in zip(managers, found):
+        start = manager.first_block_read(num_blocks * manager.block_size)
+        hits.append([None] * start + ids[start:num_blocks])
+    return hits
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A request's prefix-cache hit over every paged group: `len(hit)` leading blocks' KV is reused; each
+    group's list has one entry per block (None: a block its window does not reach, not taken)."""
+    group_block_ids: tuple[list[int | None], ...]
+
+    def __len__(self) -> int:
+        return len(self.group_block_ids[0])
+
+
 class SlotPool:
     """The state pool's slots: one per running request of a model that keeps per-request state."""
 
@@ -209,17 +288,19 @@ class SlotPool:
 
 class KVCacheManager:
     """Every pool of one engine's caches behind the block manager's interface: one BlockManager per paged
-    group (the first also does prefix caching, where the layout allows it) and the state slots. A request
-    is admitted (`allocate`) only if every group has its blocks and a state slot is free; `free` gives all
-    back. Block counts and usage sum over the groups."""
+    group (each caching its own blocks, where the layout allows prefix caching) and the state slots. A
+    request is admitted (`allocate`) only if every group has its blocks and a state slot is free; `free`
+    gives all back. Block counts and usage sum over the groups; a prefix hit counts once."""
 
     def __init__(self, layout: CacheLayout, enable_prefix_caching: bool = True) -> None:
         self.layout = layout
         self.block_size = layout.block_size
         prefix = enable_prefix_caching and layout.prefix_caching_blocker is None
-        self.managers = [BlockManager(g.num_blocks, layout.block_size, prefix and i == 0, g.ratio, g.window, i)
+        self.managers = [BlockManager(g.num_blocks, layout.block_size, prefix, g.ratio, g.window, i)
                          for i, g in enumerate(layout.groups)]
         self.slots = SlotPool(layout.num_state_slots) if layout.num_state_slots else None
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
 
     @property
     def main(self) -> BlockManager:
@@ -241,26 +322,24 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self.main.prefix_cache_queries
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        hit = PrefixHit(tuple(find_prefix_hit(self.managers, request)))
+        if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hit) * self.block_size
+        return hit
 
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.main.prefix_cache_hits
-
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        return self.main.find_cached_prefix(request)
-
-    def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Blocks in every group for `hit` (at admission) and `num_new_tokens` more tokens, and a state slot;
+        False (and nothing taken) where one group or the slots fall short."""
         if self.slots is not None and request.state_slot is None and not self.slots.num_free:
             return False
-        for index, manager in enumerate(self.managers):
-            cached = cached_block_ids if index == 0 else ()
-            if manager.num_new_blocks(request, num_new_tokens, cached) > manager.num_free_blocks:
+        cached = hit.group_block_ids if hit else [()] * len(self.managers)
+        for manager, group_cached in zip(self.managers, cached):
+            if manager.num_new_blocks(request, num_new_tokens, group_cached) > manager.num_free_blocks:
                 return False
-        for index, manager in enumerate(self.managers):
-            taken = manager.allocate(request, num_new_tokens, cached_block_ids if index == 0 else ())
+        for manager, group_cached in zip(self.managers, cached):
+            taken = manager.allocate(request, num_new_tokens, group_cached)
             assert taken, "a group refused blocks it had just counted as free"
         if self.slots is not None and request.state_slot is None:
             request.state_slot = self.slots.take()
@@ -274,10 +353,14 @@ class KVCacheManager:
             request.state_slot = None
 
     def cache_computed_blocks(self, request: Request) -> None:
-        self.main.cache_computed_blocks(request)
+        for manager in self.managers:
+            manager.cache_computed_blocks(request)
 
     def reset_prefix_cache(self) -> bool:
-        return self.main.reset_prefix_cache()
+        """Forget every group's cached blocks, unless a request still uses some (then False, nothing lost)."""
+        if any(manager.cached_blocks_in_use for manager in self.managers):
+            return False
+        return all([manager.reset_prefix_cache() for manager in self.managers])
 
     def stats(self) -> dict:
         """Both pools, for metrics: per-group blocks and the state slots."""

@@ -26,10 +26,13 @@ class RequestStatus(enum.Enum):
 @dataclass
 class GroupBlocks:
     """A request's blocks in one paged cache group, in entry order. A sliding-window group gives back
-    leading blocks that no future query reads: the first `num_released` ids are then stale (the list keeps
-    their places, so that index = entry // block_size)."""
+    leading blocks that no future query reads, or never takes those a prefix-cache hit's window does not
+    reach: the first `num_released` ids are then stale (the list keeps their places, so that index =
+    entry // block_size). `num_cached`: leading blocks already registered in (or taken from) the group's
+    prefix cache."""
     block_ids: list[int] = field(default_factory=list)
     num_released: int = 0
+    num_cached: int = 0
 
 
 @dataclass(eq=False)
@@ -47,7 +50,6 @@ class Request:
     groups: list[GroupBlocks] = field(default_factory=lambda: [GroupBlocks()])  # one per paged cache group
     state_slot: int | None = None  # its slot in the state pool while running (models with per-request state)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks, in order
-    num_cached_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)

@@ -105,7 +105,7 @@ def _layout(num_slots: int = 2) -> CacheLayout:
 
 def test_manager_admits_only_with_every_group_and_a_state_slot():
     manager = KVCacheManager(_layout(num_slots=2))
-    assert not manager.enable_prefix_caching  # compressed and window groups, and state: said at start
+    assert not manager.enable_prefix_caching  # a compressed group and state: said at start
     first, second, third = _request(8, "a"), _request(8, "b"), _request(8, "c")
     assert manager.allocate(first, 8) and manager.allocate(second, 8)
     assert first.state_slot is not None and second.state_slot is not None and first.state_slot != second.state_slot
@@ -131,7 +131,10 @@ def test_manager_refuses_when_one_group_is_full():
 
 def test_layout_says_why_prefix_caching_is_off():
     assert CacheLayout.single(8, 16).prefix_caching_blocker is None
-    assert "sliding window of 6" in _layout().prefix_caching_blocker
+    windowed = CacheLayout(4, (CacheGroupLayout(1, None, 8), CacheGroupLayout(1, 6, 5)))
+    assert windowed.prefix_caching_blocker is None  # window groups cache what their windows reach
+    blocker = _layout().prefix_caching_blocker
+    assert "one entry per 4 tokens" in blocker and "per-request state" in blocker and "window" not in blocker
     state_only = CacheLayout(4, (CacheGroupLayout(1, None, 8),), num_state_slots=2, state_bytes_per_slot=8)
     assert "per-request state" in state_only.prefix_caching_blocker
 
