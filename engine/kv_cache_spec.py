@@ -49,10 +49,10 @@ class PagedSpec:
 
     @property
     def prefix_cacheable(self) -> bool:
-        """Whether a cached prefix's entries are exactly what recomputing it would store, and all kept: true
-        of one-entry-per-token caches only (a window drops old entries; a compressed entry at a block
-        boundary may still be partial)."""
-        return self.group == FULL_GROUP
+        """Whether a cached prefix's entries are exactly what recomputing it would store: true of
+        one-entry-per-token caches, sliding windows included (a window group's hit needs only the blocks its
+        window reaches); a compressed entry at a block boundary may still be partial."""
+        return self.ratio == 1
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.layout is not None:
@@ -120,7 +120,7 @@ class CacheGroupLayout:
 
     @property
     def prefix_cacheable(self) -> bool:
-        return self.key == FULL_GROUP
+        return self.ratio == 1
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class CacheLayout:
         whole cached blocks."""
         reasons = []
         for group in self.groups:
-            if group.ratio != 1:
+            if not group.prefix_cacheable:
                 reasons.append(f"its {'/'.join(group.kinds) or 'cache'} layers keep one entry per {group.ratio} "
                                "tokens (the entry at a cached prefix's end may be partial)")
         if self.num_state_slots:

@@ -33,7 +33,7 @@ def test_spec_groups_and_sizes():
     window = PagedSpec((512,), window=128)
     compressed = PagedSpec((512,), ratio=4)
     assert window.group == (1, 128) and compressed.group == (4, None)
-    assert not window.prefix_cacheable and not compressed.prefix_cacheable
+    assert window.prefix_cacheable and not compressed.prefix_cacheable  # a window group caches what it keeps
     assert latent.bytes_per_block(16, torch.float32) == 16 * 576 * 2
     assert compressed.bytes_per_block(16, torch.float32) == 16 * 512 * 4  # the default dtype
     assert StateSpec((3, 8), torch.float32).bytes_per_slot(torch.bfloat16) == 96
