@@ -5,8 +5,8 @@ For each model shape (benchmarks/configs, dummy bf16 weights) and layout: offlin
 batch-1 decode tokens/s (128-token prompt, 256 new tokens: the best of three generations less the best of
 three prefills), the time to start and to shut down, what each DP rank's lockstep agreement cost, the expert
 load per EP rank over the run, and each rank's device time per decode step against its idle gaps
-(engine.runner.worker.StepTimer, over the batch-1 run). Every ratio is against the one-GPU engine of the
-same model in the same run.
+(engine.runner.step_timer.StepTimer: over the batch-1 run, and by step kind over the whole layout's run).
+Every ratio is against the one-GPU engine of the same model in the same run.
 
     python -m benchmarks.multi_gpu --out multi.json [--models qwen3-30b-a3b,deepseek-v2-lite,llama-3.1-8b]
     python -m benchmarks.multi_gpu --check --out check.json     # tiny float32 MoE: every layout's greedy tokens
@@ -146,6 +146,23 @@ def table(results: dict) -> None:
                          if load else "-"))
     print_table(["model", "layout", "offline tok/s", "vs 1 GPU", "b=1 tok/s", "vs 1 GPU",
                  "b=1 device ms per step ; idle gap ms (per rank)", "agree us", "EP rank imbalance (tokens)"], rows)
+    profile_table(results)
+
+
+def profile_table(results: dict) -> None:
+    """Where each rank's whole run went, by step kind (StepTimer at shutdown): device seconds against the
+    idle gaps before the steps; gaps that rival the device time mean the host bounds the steps."""
+    rows = []
+    for name, layouts in results.items():
+        for label, r in layouts.items():
+            for rank, timing in sorted(r.get("ranks", {}).items()):
+                for kind, k in timing.get("by_kind", {}).items():
+                    rows.append((name, label, rank, kind, k["steps"], k["tokens"], f"{k['device_ms_median']:.2f}",
+                                 f"{k['device_s_total']:.2f}", f"{k['gap_ms_mean']:.2f}", f"{k['gap_s_total']:.2f}",
+                                 f"{k['host_launch_ms_median']:.2f}"))
+    if rows:
+        print_table(["model", "layout", "rank", "step kind", "steps", "tokens", "device ms median",
+                     "device s", "gap ms mean", "gap s", "host launch ms"], rows)
 
 
 def check(args) -> dict:

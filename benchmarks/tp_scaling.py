@@ -112,7 +112,7 @@ def agreement(reference, other) -> dict:
 
 
 def step_timing(args) -> None:
-    """Batch-1 decode through Ray at TP=1 and TP=2 with engine.runner.worker.StepTimer on every rank."""
+    """Batch-1 decode through Ray at TP=1 and TP=2 with engine.runner.step_timer.StepTimer on every rank."""
     import ray
 
     import atom_ray

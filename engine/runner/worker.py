@@ -6,12 +6,8 @@ Peers sit in `follow()` until the leader broadcasts the stop signal.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import statistics
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,48 +18,11 @@ from engine.loader import resolve_model
 from engine.parallel import destroy_parallel, get_parallel_state, init_parallel
 from engine.runner.device import resolve_device
 from engine.runner.model_runner import ModelRunner, PendingOutput
+from engine.runner.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
 
 _STOP = "stop"
-
-
-class StepTimer:
-    """Diagnostics for multi-GPU stepping (off unless ATOM_RAY_STEP_TIMING_DIR is set): for the first
-    `steps` plans after `skip`, CUDA events around each launch give each step's device time and the idle
-    gap before the next one, plus the host time to launch; <name>.json gets the medians."""
-
-    def __init__(self, folder: str, name: str, skip: int = 20, steps: int = 200) -> None:
-        self.path = Path(folder) / f"{name}.json"
-        self.skip, self.steps = skip, steps
-        self.records: list[tuple] = []
-        self.seen = 0
-
-    def launch(self, fn):
-        self.seen += 1
-        if not self.skip < self.seen <= self.skip + self.steps:
-            return fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        host_start = time.perf_counter()
-        start.record()
-        result = fn()
-        end.record()
-        self.records.append((start, end, time.perf_counter() - host_start))
-        if len(self.records) == self.steps:
-            self._write()
-        return result
-
-    def _write(self) -> None:
-        torch.cuda.synchronize()
-        device_ms = [s.elapsed_time(e) for s, e, _ in self.records]
-        gaps_ms = [a[1].elapsed_time(b[0]) for a, b in zip(self.records, self.records[1:])]
-        host_ms = [h * 1e3 for _, _, h in self.records]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({
-            "steps": len(device_ms), "device_ms_median": statistics.median(device_ms),
-            "gap_ms_median": statistics.median(gaps_ms), "gap_ms_mean": statistics.mean(gaps_ms),
-            "host_launch_ms_median": statistics.median(host_ms),
-            "wall_per_step_ms": self.records[0][0].elapsed_time(self.records[-1][1]) / len(device_ms)}))
 
 
 class Worker:
@@ -92,7 +51,7 @@ class Worker:
     def _launch(self, scheduled: SchedulerOutput) -> PendingOutput:
         if self.timer is None:
             return self.runner.execute_async(scheduled)
-        return self.timer.launch(lambda: self.runner.execute_async(scheduled))
+        return self.timer.launch(scheduled, lambda: self.runner.execute_async(scheduled))
 
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
@@ -134,6 +93,8 @@ class Worker:
     def shutdown(self) -> None:
         if self.device.type == "cuda":  # no collective of this rank still queued when its groups go
             torch.cuda.synchronize(self.device)
+        if self.timer is not None:
+            self.timer.write()
         destroy_parallel(abort=self.device.type == "cuda")  # the rank's process ends next
 
     def _broadcast(self, message):

@@ -1,0 +1,84 @@
+"""Diagnostics for multi-GPU stepping, off unless ATOM_RAY_STEP_TIMING_DIR is set (benchmarks/multi_gpu.py
+sets it): CUDA events around each launched step give its device time and the idle gap before the next
+step, beside the host time to launch it. `<name>.json` in that folder gets medians over the first `steps`
+plans after `skip` (written as soon as they are in), and at shutdown the same figures for every step kind
+of the whole run: batch-1 decodes, larger decode-only batches, steps with prompt tokens, idle (a DP rank's
+padding-only step). Large gaps beside short device times mean the host, not the GPU, bounds the steps."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.core.scheduler_output import SchedulerOutput
+
+MAX_RECORDS = 50_000  # two CUDA events each; steps past this are not recorded
+
+
+def step_kind(scheduled: SchedulerOutput) -> str:
+    counts = scheduled.num_scheduled_tokens
+    if not counts:
+        return "idle"
+    if any(n != 1 for n in counts.values()):
+        return "prefill"
+    return "decode_b1" if len(counts) == 1 else "decode"
+
+
+def timings(records: list[tuple]) -> list[tuple[str, float, float, float, int]]:
+    """(kind, device ms, idle gap ms before the step (0 for the first), host launch ms, tokens) of each
+    (start event, end event, host seconds, kind, tokens) record, in launch order."""
+    out = []
+    for index, (start, end, host_s, kind, tokens) in enumerate(records):
+        gap = records[index - 1][1].elapsed_time(start) if index else 0.0
+        out.append((kind, start.elapsed_time(end), gap, host_s * 1e3, tokens))
+    return out
+
+
+def summary(rows: list[tuple[str, float, float, float, int]]) -> dict:
+    device, gaps, host = [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+    return {"steps": len(rows), "tokens": sum(r[4] for r in rows),
+            "device_ms_median": statistics.median(device), "device_s_total": sum(device) / 1e3,
+            "gap_ms_median": statistics.median(gaps), "gap_ms_mean": statistics.mean(gaps),
+            "gap_s_total": sum(gaps) / 1e3, "host_launch_ms_median": statistics.median(host)}
+
+
+class StepTimer:
+    def __init__(self, folder: str, name: str, skip: int = 20, steps: int = 200) -> None:
+        self.path = Path(folder) / f"{name}.json"
+        self.skip, self.steps = skip, steps
+        self.records: list[tuple] = []
+        self.seen = 0
+
+    def launch(self, scheduled: SchedulerOutput, fn):
+        self.seen += 1
+        if self.seen <= self.skip or len(self.records) >= MAX_RECORDS:
+            return fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host_start = time.perf_counter()
+        start.record()
+        result = fn()
+        end.record()
+        self.records.append((start, end, time.perf_counter() - host_start, step_kind(scheduled),
+                             sum(scheduled.num_scheduled_tokens.values())))
+        if len(self.records) == self.steps:
+            self.write(final=False)
+        return result
+
+    def write(self, final: bool = True) -> None:
+        """The first window's figures (the file's top level), and at shutdown (`final`) every kind's."""
+        if not self.records:
+            return
+        torch.cuda.synchronize()
+        rows = timings(self.records)
+        report = summary(rows[:self.steps])
+        first, last = self.records[0][0], self.records[min(self.steps, len(self.records)) - 1][1]
+        report["wall_per_step_ms"] = first.elapsed_time(last) / min(self.steps, len(self.records))
+        if final:  # each step's gap is the idle time before it, so the kinds' totals add up to the run's
+            report["whole_run"] = summary(rows)
+            report["by_kind"] = {kind: summary([r for r in rows if r[0] == kind])
+                                 for kind in sorted({r[0] for r in rows})}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(report))

@@ -1,0 +1,79 @@
+"""The multi-GPU step diagnostics (engine/runner/step_timer.py) on the CPU, with CUDA events stood in by a
+clock the test advances: every step's device time, the idle gap before it and its kind add up per kind and
+over the whole run, so an offline run's profile says whether the host or the GPU bounds it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.core.scheduler_output import SchedulerOutput
+from engine.runner import step_timer
+from engine.runner.step_timer import StepTimer, step_kind
+
+
+class Clock:
+    now = 0.0
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=True):
+        self.at = None
+
+    def record(self):
+        self.at = Clock.now
+
+    def elapsed_time(self, other) -> float:
+        return other.at - self.at
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    Clock.now = 0.0
+
+
+def plan(counts: dict) -> SchedulerOutput:
+    return SchedulerOutput(num_scheduled_tokens=counts)
+
+
+def test_step_kinds():
+    assert step_kind(plan({})) == "idle"
+    assert step_kind(plan({"a": 1})) == "decode_b1"
+    assert step_kind(plan({"a": 1, "b": 1})) == "decode"
+    assert step_kind(plan({"a": 1, "b": 7})) == "prefill"
+
+
+def test_every_kind_sums_its_device_time_and_the_gaps_before_its_steps(fake_cuda, tmp_path):
+    timer = StepTimer(str(tmp_path), "dp0_rank0", skip=1, steps=2)
+    # (plan, device ms, idle ms before the step): the first is skipped (warm-up)
+    steps = [({"w": 1}, 5.0, 0.0), ({"a": 1}, 3.0, 1.0), ({"a": 1}, 3.0, 0.5), ({"a": 1, "b": 9}, 20.0, 4.0),
+             ({"a": 1, "b": 1}, 6.0, 0.25), ({}, 2.0, 0.0)]
+    for counts, device_ms, gap_ms in steps:
+        Clock.now += gap_ms
+
+        def run(device_ms=device_ms):
+            Clock.now += device_ms
+        timer.launch(plan(counts), lambda: run())
+    first = json.loads((tmp_path / "dp0_rank0.json").read_text())
+    assert first["steps"] == 2 and first["device_ms_median"] == 3.0 and "by_kind" not in first
+    timer.write()
+    report = json.loads((tmp_path / "dp0_rank0.json").read_text())
+    kinds = report["by_kind"]
+    assert {k: v["steps"] for k, v in kinds.items()} == {"decode_b1": 2, "prefill": 1, "decode": 1, "idle": 1}
+    assert kinds["prefill"]["tokens"] == 10 and kinds["prefill"]["device_s_total"] == pytest.approx(0.020)
+    assert kinds["prefill"]["gap_s_total"] == pytest.approx(0.004), "the idle time before the prefill step"
+    assert kinds["decode_b1"]["gap_s_total"] == pytest.approx(0.0005), "its first step's gap is before recording"
+    whole = report["whole_run"]
+    assert whole["device_s_total"] == pytest.approx(0.034) and whole["gap_s_total"] == pytest.approx(0.00475)
+    assert sum(k["gap_s_total"] for k in kinds.values()) == pytest.approx(whole["gap_s_total"])
+
+
+def test_recording_stops_at_its_bound(fake_cuda, tmp_path, monkeypatch):
+    monkeypatch.setattr(step_timer, "MAX_RECORDS", 3)
+    timer = StepTimer(str(tmp_path), "r", skip=0, steps=100)
+    for _ in range(5):
+        timer.launch(plan({"a": 1}), lambda: None)
+    assert len(timer.records) == 3
