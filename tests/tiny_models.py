@@ -2,6 +2,7 @@
 against transformers' own implementation."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -425,6 +426,30 @@ QWEN3_NEXT_CONFIG = dict(
     linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
     norm_topk_prob=True, max_position_embeddings=512)
+
+
+def as_gemma4_multimodal(text_dir: Path, folder: Path, edit=None) -> Path:
+    """Gemma4ForConditionalGeneration in the hub's layout around a tiny text model's folder: its weights under
+    model.language_model., a vision tower and an audio embedder beside them (never read), its config as
+    text_config. `edit(tensors, text)` may add or change tensors (text: the text model's own)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(text_dir, folder)
+    text = load_file(str(text_dir / "model.safetensors"))
+    tensors = {name.replace("model.", "model.language_model.", 1): tensor for name, tensor in text.items()}
+    tensors["model.vision_tower.encoder.layers.0.mlp.gate_proj.linear.weight"] = torch.randn(7, 5)
+    tensors["model.embed_audio.embedding_projection.weight"] = torch.randn(64, 11)
+    if edit is not None:
+        edit(tensors, text)
+    save_file(tensors, str(folder / "model.safetensors"))
+    text_config = json.loads((text_dir / "config.json").read_text())
+    text_config.pop("architectures")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text_config,
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32},
+        "tie_word_embeddings": text_config.get("tie_word_embeddings", True)}))
+    return folder
 
 
 def make_tiny_qwen3_next(folder: Path, seed: int = 0, model_type: str = "qwen3_next", **overrides) -> Path:

@@ -80,22 +80,7 @@ def test_greedy_tokens_through_two_cache_groups_of_different_head_sizes(gemma4_d
 def test_the_text_stack_of_a_gemma4_multimodal_checkpoint_serves_the_text_models_tokens(gemma4_dir, tmp_path):
     """Gemma4ForConditionalGeneration in the hub's layout (text weights under model.language_model., a vision
     tower and its embedder beside them): the text stack's tokens."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    folder = tmp_path / "gemma4_it"
-    shutil.copytree(gemma4_dir, folder)
-    text = load_file(str(gemma4_dir / "model.safetensors"))
-    tensors = {name.replace("model.", "model.language_model.", 1): tensor for name, tensor in text.items()}
-    tensors["model.vision_tower.encoder.layers.0.mlp.gate_proj.linear.weight"] = torch.randn(7, 5)
-    tensors["model.embed_vision.embedding_projection.weight"] = torch.randn(64, 11)
-    save_file(tensors, str(folder / "model.safetensors"))
-    text_config = json.loads((gemma4_dir / "config.json").read_text())
-    text_config.pop("architectures")
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text_config,
-        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32}, "tie_word_embeddings": True}))
+    folder = tiny_models.as_gemma4_multimodal(gemma4_dir, tmp_path / "gemma4_it")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     wrapped = LLM(str(folder), dtype="float32", show_progress=False).generate(PROMPTS, params)
     plain = LLM(str(gemma4_dir), dtype="float32", show_progress=False).generate(PROMPTS, params)

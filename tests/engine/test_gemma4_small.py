@@ -4,9 +4,6 @@ sharing between layers (the last layers attend over an earlier layer's cache and
 double-wide MLPs on the sharing layers. Each feature has a negative control that breaks the comparison."""
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,25 +150,14 @@ def test_hub_layout_with_the_sharing_layers_kv_weights_serves_the_text_models_to
     """Gemma4ForConditionalGeneration as the hub stores E2B/E4B: the text stack under model.language_model.,
     the per-layer tables beside it, and K/V projections and norms for the sharing layers that transformers
     never reads (nor do we: random ones change nothing)."""
-    from safetensors.torch import load_file, save_file
-    folder = tmp_path / "gemma4_e_it"
-    shutil.copytree(small_dir, folder)
-    text = load_file(str(small_dir / "model.safetensors"))
-    tensors = {name.replace("model.", "model.language_model.", 1): tensor for name, tensor in text.items()}
-    for i in (4, 5, 6):
-        prefix = f"model.language_model.layers.{i}.self_attn."
-        for name, source_name in (("k_proj", "k_proj"), ("v_proj", "k_proj"), ("k_norm", "k_norm")):
-            source = text.get(f"model.layers.{SOURCES[i]}.self_attn.{source_name}.weight")
-            if source is not None:
-                tensors[f"{prefix}{name}.weight"] = torch.randn_like(source)
-    tensors["model.vision_tower.encoder.layers.0.mlp.gate_proj.linear.weight"] = torch.randn(7, 5)
-    tensors["model.embed_audio.embedding_projection.weight"] = torch.randn(64, 11)
-    save_file(tensors, str(folder / "model.safetensors"))
-    text_config = json.loads((small_dir / "config.json").read_text())
-    text_config.pop("architectures")
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text_config,
-        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32}, "tie_word_embeddings": False}))
+    def sharing_layers_kv(tensors, text):
+        for i in (4, 5, 6):
+            prefix = f"model.language_model.layers.{i}.self_attn."
+            for name, source_name in (("k_proj", "k_proj"), ("v_proj", "k_proj"), ("k_norm", "k_norm")):
+                source = text.get(f"model.layers.{SOURCES[i]}.self_attn.{source_name}.weight")
+                if source is not None:
+                    tensors[f"{prefix}{name}.weight"] = torch.randn_like(source)
+    folder = tiny_models.as_gemma4_multimodal(small_dir, tmp_path / "gemma4_e_it", sharing_layers_kv)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     wrapped = LLM(str(folder), dtype="float32", show_progress=False).generate(PROMPTS, params)
     plain = LLM(str(small_dir), dtype="float32", show_progress=False).generate(PROMPTS, params)
