@@ -88,6 +88,7 @@ class ModelFacts:
     head_sizes: tuple[int, ...] = ()
     gqa_ratios: tuple[int, ...] = ()        # query heads per KV head, per attention layer kind
     sliding_window: bool = False
+    attention_extras: tuple[str, ...] = ()  # what attention does beyond a window: "attention sinks", ...
     block_size: int = 16
     dtype: torch.dtype = torch.bfloat16
     fp8_kv_cache: bool = False

@@ -26,12 +26,14 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
         state = get_parallel_state()
         mla = dict(mla_heads=shard_range(heads, state.tp_size, state.tp_rank)[1],
                    mla_entry=(int(text.kv_lora_rank), int(text.qk_rope_head_dim)))
+    extras = (("attention sinks",) if getattr(text, "model_type", None) == "gpt_oss" else ()) + \
+        (("logit soft-capping",) if getattr(text, "attn_logit_softcapping", None) else ())
     epilogue = ("expert biases and gpt-oss's activation" if getattr(text, "swiglu_alpha", None) is not None
                 else "GELU-tanh experts" if getattr(text, "enable_moe_block", False) else None)
     return kernels.ModelFacts(**mla, clamped_experts=getattr(text, "swiglu_limit", None) is not None,
                               expert_epilogue=epilogue, head_sizes=tuple(sorted({size for size, _ in shapes})),
                               gqa_ratios=tuple(sorted({heads // max(kv, 1) for _, kv in shapes})),
-                              sliding_window=uses_window, block_size=config.block_size, dtype=dtype,
+                              sliding_window=uses_window, attention_extras=extras, block_size=config.block_size, dtype=dtype,
                               fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales,
                               linear_quant=plan.default_linear if plan else None,
                               experts_quant=plan.default_experts if plan else None)

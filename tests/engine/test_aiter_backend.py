@@ -125,6 +125,37 @@ def test_the_kernel_table_names_each_aiter_kernel_and_each_fallback(double):
     window = registry.resolve("aiter", torch.device("cpu"),
                               registry.ModelFacts(head_sizes=(128,), gqa_ratios=(8,), sliding_window=True))
     assert "sliding window" in dict(window.table())["attention"]
+    sinks = registry.resolve("aiter", torch.device("cpu"), registry.ModelFacts(
+        head_sizes=(128,), gqa_ratios=(8,), attention_extras=("attention sinks", "logit soft-capping")))
+    assert "pa_fwd_asm has no attention sinks or logit soft-capping" in dict(sinks.table())["attention"]
+
+
+def test_gelu_tanh_gate_runs_on_aiter_as_the_torch_reference(double):
+    """Gemma's gated MLP activation: AITER's gelu_tanh_and_mul (one kernel) against the torch op, and the
+    float32 model's fallback."""
+    from engine.kernels.torch import ops as torch_ops
+    backend = registry.resolve("aiter", torch.device("cpu"), registry.ModelFacts(head_sizes=(128,), gqa_ratios=(2,)))
+    assert backend.sources["gelu_tanh_and_mul"] == "aiter.gelu_tanh_and_mul"
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    aiter_double.CALLS.clear()
+    out = backend.ops["gelu_tanh_and_mul"](x)
+    assert aiter_double.CALLS == {"gelu_tanh_and_mul": 1} and out.shape == (3, 5, 32)
+    torch.testing.assert_close(out, torch_ops.gelu_tanh_and_mul(x), rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(out.float(), torch_ops.silu_and_mul(x).float(), atol=1e-2), "not SiLU's gate"
+    float32 = registry.resolve("aiter", torch.device("cpu"),
+                               registry.ModelFacts(head_sizes=(128,), gqa_ratios=(2,), dtype=torch.float32))
+    assert "aiter" not in float32.sources["gelu_tanh_and_mul"]
+
+
+def test_gpt_oss_facts_name_its_sinks(tmp_path):
+    from transformers import AutoConfig
+
+    from engine.config import EngineConfig
+    from engine.runner.model_facts import model_facts
+    from tiny_models import make_tiny_gpt_oss
+    folder = make_tiny_gpt_oss(tmp_path / "gpt_oss")
+    facts = model_facts(AutoConfig.from_pretrained(folder), EngineConfig.from_kwargs(str(folder)), torch.bfloat16)
+    assert facts.attention_extras == ("attention sinks",) and facts.sliding_window
 
 
 def test_fp8_kv_cache_on_aiter_matches_the_torch_fp8_cache(double, trained_llama):

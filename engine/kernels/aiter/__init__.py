@@ -28,6 +28,8 @@ def declines(op: str, facts: ModelFacts) -> str | None:
             return f"pa_fwd_asm needs block_size {PA_ASM_BLOCK_SIZE}, not {facts.block_size}"
         if facts.sliding_window:
             return "pa_fwd_asm has no sliding window"
+        if facts.attention_extras:
+            return f"pa_fwd_asm has no {' or '.join(facts.attention_extras)}"
         if any(ratio > PA_ASM_MAX_GQA for ratio in facts.gqa_ratios):
             return f"pa_fwd_asm serves at most {PA_ASM_MAX_GQA} query heads per KV head"
         if facts.dtype not in (torch.bfloat16, torch.float16):
@@ -63,6 +65,7 @@ BACKEND = KernelBackend(
         "fused_add_rms_norm": ops.fused_add_rms_norm,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
+        "gelu_tanh_and_mul": ops.gelu_tanh_and_mul,
         "gated_gemm": ops.gated_gemm,
         "sample": ops.sample,
         "moe_topk_softmax": ops.moe_topk_softmax,

@@ -15,7 +15,7 @@ from engine.kernels.torch.sampling import sample as reference_sample
 
 # Ops whose AITER kernels take only bf16/fp16 (a float32 model runs them elsewhere).
 HALF_PRECISION_ONLY = ("gemm", "gated_gemm", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-                       "silu_and_mul", "fused_experts")
+                       "silu_and_mul", "gelu_tanh_and_mul", "fused_experts")
 
 
 def kernel(name: str):
@@ -71,13 +71,23 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return out.view(x.shape), residual_out.view(residual.shape)
 
 
-@kernel("aiter.silu_and_mul")
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _act_and_mul(x: torch.Tensor, name: str) -> torch.Tensor:
+    """AITER's gated activations (one kernel, the activation of the first half times the second)."""
     import aiter
     x2 = rows(x)
     out = torch.empty(x2.shape[0], x2.shape[1] // 2, dtype=x.dtype, device=x.device)
-    aiter.silu_and_mul(out, x2)
+    getattr(aiter, name)(out, x2)
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@kernel("aiter.silu_and_mul")
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul(x, "silu_and_mul")
+
+
+@kernel("aiter.gelu_tanh_and_mul")
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul(x, "gelu_tanh_and_mul")
 
 
 _ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
