@@ -33,7 +33,8 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
     return kernels.ModelFacts(**mla, clamped_experts=getattr(text, "swiglu_limit", None) is not None,
                               expert_epilogue=epilogue, head_sizes=tuple(sorted({size for size, _ in shapes})),
                               gqa_ratios=tuple(sorted({heads // max(kv, 1) for _, kv in shapes})),
-                              sliding_window=uses_window, attention_extras=extras, block_size=config.block_size, dtype=dtype,
+                              sliding_window=uses_window, attention_extras=extras,
+                              block_size=config.block_size, dtype=dtype,
                               fp8_kv_cache=config.fp8_kv_cache, kv_cache_scales=config.kv_cache_scales,
                               linear_quant=plan.default_linear if plan else None,
                               experts_quant=plan.default_experts if plan else None)
