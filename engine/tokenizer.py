@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engine.errors import InvalidRequestError
 from engine.loader.source import ModelSource, ModelSourceError
+from engine.loader.tiktoken_tokenizer import TIKTOKEN_FILE, is_tiktoken_folder, load_tiktoken_tokenizer
 
 
 class Tokenizer:
@@ -18,14 +19,13 @@ class Tokenizer:
 
     @classmethod
     def from_source(cls, source: ModelSource, tokenizer: str | None = None) -> "Tokenizer":
-        from transformers import AutoTokenizer
         if tokenizer is not None:
-            hf = AutoTokenizer.from_pretrained(tokenizer)
+            hf = _hf_tokenizer(tokenizer)
         elif source.gguf is not None:
             hf = source.gguf.load_tokenizer()
         else:
             try:
-                hf = AutoTokenizer.from_pretrained(str(source.folder))
+                hf = _hf_tokenizer(source.folder)
             except (OSError, ValueError, TypeError) as exc:
                 raise ModelSourceError(f"no usable tokenizer in {source.folder}: {exc}") from exc
         return cls(hf, _eos_ids(hf, source))
@@ -33,7 +33,7 @@ class Tokenizer:
     @classmethod
     def has_tokenizer_files(cls, folder) -> bool:
         return any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                              "tokenizer.model", "vocab.json"))
+                                                              "tokenizer.model", "vocab.json", TIKTOKEN_FILE))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; text the tokenizer cannot take (a lone surrogate, ...) is the request's fault."""
@@ -71,6 +71,14 @@ class Tokenizer:
         # The template already spells out any BOS token, so the text is encoded without special tokens.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)
+
+
+def _hf_tokenizer(path):
+    """transformers' tokenizer of a folder (or hub-style name), never built with code the folder ships."""
+    if is_tiktoken_folder(path):
+        return load_tiktoken_tokenizer(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def _why_unencodable(text, exc: Exception) -> str:

@@ -81,6 +81,25 @@ def test_kimi_k25_text_stack_gives_transformers_deepseek_v3_tokens(tmp_path, tex
         assert output.token_ids == tiny_models.hf_greedy(text_dir, prompt, GREEDY.max_tokens)
 
 
+def test_kimi_k25_with_its_tiktoken_tokenizer_serves_text_prompts(tmp_path, text_dir):
+    """Kimi-K2.5 ships tiktoken.model and a tokenizer class in its own code (never run): the text prompt's ids
+    are tiktoken's, the tokens transformers' for those ids."""
+    tiktoken = pytest.importorskip("tiktoken")
+    from kimi_tokenizer import write_kimi_tokenizer
+    folder = write_kimi_k25(tmp_path / "kimi", text_dir)
+    for path in folder.glob("*token*"):
+        path.unlink()
+    num_ranks = 256 + 100  # the special tokens fill the model's vocabulary up to its last id
+    specials = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
+                7: "<|im_middle|>", tiny_models.VOCAB_SIZE - 1 - num_ranks: "[PAD]"}
+    encoding = write_kimi_tokenizer(folder, num_merges=num_ranks - 256, special_tokens=specials)
+    llm = LLM(str(folder), dtype="float32", show_progress=False)
+    prompt = "<|im_user|>今天天气很好, the quick brown fox<|im_end|>"
+    output = llm.generate([prompt], GREEDY)[0]
+    assert output.prompt_token_ids == tiktoken.Encoding(**encoding).encode(prompt, allowed_special="all")
+    assert output.token_ids == tiny_models.hf_greedy(text_dir, output.prompt_token_ids, GREEDY.max_tokens)
+
+
 def test_kimi_k25_config_is_its_deepseek_v3_text_config(tmp_path, text_dir):
     config = load_hf_config(write_kimi_k25(tmp_path / "kimi", text_dir))
     reference = tiny_models.hf_model(text_dir).config
