@@ -1,0 +1,90 @@
+"""Reasoning parsers: a thinking model's output split into its reasoning (`reasoning_content`) and its
+answer (`content`), whole or streamed. Independent of the engine: they read text.
+
+How /v1/chat/completions uses them (chat.py):
+
+    parser_class = reasoning_parser_class(args.reasoning_parser, hf_config, chat_template)   # at start-up
+    parser = parser_class(prompt_text, body.chat_template_kwargs)    # one per choice; the rendered prompt
+                                                                     # says whether the output starts inside
+    whole:     reasoning, content = parser.parse(text)               # each None when empty
+    streamed:  reasoning_delta, content_delta = parser.feed(piece); at the end parser.finish()
+               a non-empty reasoning_delta goes out as delta.reasoning_content, content_delta as delta.content
+    with tools, content (whole or each content_delta) goes on to the tool parser, so calls are read from
+    the answer only; a tool parser with `reads_reasoning` (harmony) replaces this parser instead.
+
+The `<think>` tags are ordinary text in some tokenizers and special tokens in others: decode with
+skip_special_tokens=False when a reasoning parser is on."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..tool_parsers import model_type_and_architectures
+from .base import ReasoningParser, ThinkReasoningParser
+from .harmony import HarmonyReasoningParser
+from .think import (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Glm45ReasoningParser,
+                    KimiK2ReasoningParser, MiniMaxM2ReasoningParser, Qwen3ReasoningParser)
+
+# --reasoning-parser names: vLLM's, so its serving commands carry over.
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+    "deepseek_v3": DeepSeekV3ReasoningParser,
+    "qwen3": Qwen3ReasoningParser,
+    "glm45": Glm45ReasoningParser,
+    "minimax_m2": MiniMaxM2ReasoningParser,
+    "kimi_k2": KimiK2ReasoningParser,
+    "openai": HarmonyReasoningParser,
+    "openai_gptoss": HarmonyReasoningParser,
+}
+
+
+def reasoning_parser_names() -> list[str]:
+    return ["auto", *sorted(REASONING_PARSERS)]
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: "
+                         f"{', '.join(reasoning_parser_names())}") from None
+
+
+def reasoning_parser_class(name: str, config: Any = None,
+                           chat_template: str | None = None) -> type[ReasoningParser] | None:
+    """The parser a `--reasoning-parser` value names; for "auto", the model's (None when it does not reason)."""
+    if name == "auto":
+        found = default_reasoning_parser(config, chat_template)
+        return None if found is None else REASONING_PARSERS[found]
+    return get_reasoning_parser(name)
+
+
+def default_reasoning_parser(config: Any, chat_template: str | None = None) -> str | None:
+    """The parser name for a model from its config's model_type and architectures, None for models that do
+    not reason (Llama, Mixtral, Gemma). DeepSeek-V3's architecture serves V3 (no reasoning), R1 and V3.1;
+    the chat template tells them apart: no `<think>` is V3, a `thinking` switch is V3.1, else R1. Without it
+    the choice is `deepseek_v3`, which finds reasoning only where the prompt or the output opens it."""
+    model_type, architectures = model_type_and_architectures(config)
+    names = {model_type, *architectures}
+    if model_type in ("kimi_k2", "kimi_k25") or any(a.startswith("KimiK2") for a in architectures):
+        return "kimi_k2"
+    if names & {"gpt_oss", "GptOssForCausalLM"}:
+        return "openai"
+    if names & {"minimax_m2", "MiniMaxM2ForCausalLM"}:
+        return "minimax_m2"
+    if names & {"glm4_moe", "glm_moe_dsa", "Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM"}:
+        return "glm45"
+    if names & {"deepseek_v32", "deepseek_v4", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM"}:
+        return "deepseek_v3"
+    if names & {"deepseek_v3", "DeepseekV3ForCausalLM"}:
+        if chat_template is None:
+            return "deepseek_v3"
+        if "<think>" not in chat_template:
+            return None
+        return "deepseek_v3" if "thinking" in chat_template else "deepseek_r1"
+    if model_type.startswith("qwen3") or any(a.startswith("Qwen3") for a in architectures):
+        return "qwen3"
+    return None
+
+
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "ThinkReasoningParser", "default_reasoning_parser",
+           "get_reasoning_parser", "reasoning_parser_class", "reasoning_parser_names"]

@@ -1,0 +1,118 @@
+"""Tool-call parsers: each family's own call format (as its chat template teaches it) read back into
+OpenAI `tool_calls`, whole or as streamed deltas. Independent of the engine: they read text.
+
+How /v1/chat/completions uses them (chat.py; for requests with `tools` and `tool_choice` "auto"):
+
+    parser_class = tool_parser_class(args.tool_call_parser, hf_config, chat_template)   # once, at start-up
+    parser = parser_class(body.tools)                                  # one per choice of a request
+    # parser.needs_special_tokens: decode with skip_special_tokens=False (the markers are special tokens)
+    whole:     result = parser.parse(text)    # ParsedToolCalls(content, calls[ToolCall(id, name, arguments_json)])
+    streamed:  for each new piece of text: deltas = parser.feed(piece); at the end: deltas += parser.finish()
+               each DeltaMessage goes out as a chunk's `delta` (DeltaMessage.to_dict() is OpenAI's shape)
+    finish_reason "tool_calls" when the output held a call (result.calls, or any delta with tool_calls).
+
+The text fed is the answer: a reasoning parser (reasoning_parsers/) runs first and hands its content
+on, so calls written inside the reasoning are not parsed; except for a parser with `reads_reasoning`
+(harmony), which takes the raw output and returns reasoning_content itself."""
+from __future__ import annotations
+
+from typing import Any
+
+from .base import DeltaMessage, FunctionDelta, ParsedToolCalls, ToolCall, ToolCallDelta, ToolParser, collect
+from .deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from .deepseek_dsml import DeepSeekDsmlToolParser
+from .glm import Glm45ToolParser
+from .harmony import HarmonyToolParser
+from .hermes import HermesToolParser
+from .kimi_k2 import KimiK2ToolParser
+from .llama3 import Llama3JsonToolParser
+from .minimax_m2 import MiniMaxM2ToolParser
+from .qwen3_coder import Qwen3CoderToolParser
+
+# --tool-call-parser names: vLLM's, so its serving commands carry over.
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "llama3_json": Llama3JsonToolParser,
+    "hermes": HermesToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3CoderToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser,
+    "deepseek_v32": DeepSeekDsmlToolParser,
+    "deepseek_v4": DeepSeekDsmlToolParser,
+    "kimi_k2": KimiK2ToolParser,
+    "glm45": Glm45ToolParser,
+    "glm47": Glm45ToolParser,  # the same tags without newlines: one reader takes both
+    "minimax_m2": MiniMaxM2ToolParser,
+    "openai": HarmonyToolParser,
+}
+
+
+def tool_parser_names() -> list[str]:
+    return ["auto", *sorted(TOOL_PARSERS)]
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of: "
+                         f"{', '.join(tool_parser_names())}") from None
+
+
+def tool_parser_class(name: str, config: Any = None, chat_template: str | None = None) -> type[ToolParser] | None:
+    """The parser a `--tool-call-parser` value names; for "auto", the model's (None when it has none)."""
+    if name == "auto":
+        found = default_tool_parser(config, chat_template)
+        return None if found is None else TOOL_PARSERS[found]
+    return get_tool_parser(name)
+
+
+def model_type_and_architectures(config: Any) -> tuple[str, list[str]]:
+    """A HF config's (or config.json dict's) model_type and architectures; a wrapper's text model counts."""
+    def field(source: Any, key: str) -> Any:
+        return source.get(key) if isinstance(source, dict) else getattr(source, key, None)
+    if config is None:
+        return "", []
+    architectures = list(field(config, "architectures") or [])
+    model_type = field(config, "model_type") or ""
+    text_config = field(config, "text_config")
+    if text_config is not None:
+        architectures += list(field(text_config, "architectures") or [])
+        model_type = model_type or field(text_config, "model_type") or ""
+    return model_type, architectures
+
+
+def default_tool_parser(config: Any, chat_template: str | None = None) -> str | None:
+    """The parser name for a model, from its config's model_type and architectures; the chat template, when
+    given, tells apart checkpoints of one architecture that call tools differently (DeepSeek-V3 vs V3.1,
+    Qwen3 vs Qwen3-Coder, SmolLM/Hermes-style Llama fine-tunes). None when no parser fits."""
+    model_type, architectures = model_type_and_architectures(config)
+    template = chat_template or ""
+    names = {model_type, *architectures}
+    if model_type in ("kimi_k2", "kimi_k25") or any(a.startswith("KimiK2") for a in architectures):
+        return "kimi_k2"
+    if names & {"gpt_oss", "GptOssForCausalLM"}:
+        return "openai"
+    if names & {"minimax_m2", "MiniMaxM2ForCausalLM"}:
+        return "minimax_m2"
+    if names & {"glm4_moe", "glm_moe_dsa", "Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM"}:
+        return "glm45"
+    if names & {"deepseek_v32", "deepseek_v4", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM"}:
+        return "deepseek_v32"
+    if names & {"deepseek_v3", "DeepseekV3ForCausalLM"}:
+        if "<｜tool▁sep｜>" in template and "```json" not in template:  # V3.1 dropped the fenced JSON
+            return "deepseek_v31"
+        return "deepseek_v3"
+    if names & {"qwen3_5", "qwen3_5_moe", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}:
+        return "qwen3_coder"
+    if model_type.startswith(("qwen2", "qwen3")) or any(a.startswith(("Qwen2", "Qwen3")) for a in architectures):
+        return "qwen3_coder" if "<function=" in template else "hermes"
+    if names & {"llama", "LlamaForCausalLM"}:
+        return "hermes" if "<tool_call>" in template else "llama3_json"
+    return None
+
+
+__all__ = ["DeltaMessage", "FunctionDelta", "ParsedToolCalls", "TOOL_PARSERS", "ToolCall", "ToolCallDelta",
+           "ToolParser", "collect", "default_tool_parser", "get_tool_parser", "model_type_and_architectures",
+           "tool_parser_class", "tool_parser_names"]
