@@ -178,6 +178,11 @@ class OpChecks:
                 args = (x, None if style == "none" else weight, 1e-6, style)
                 self.compare("rms_norm_variant", f"T={m} H={hidden} {style}", self.aiter.ops["rms_norm_variant"](*args),
                              self.reference.ops["rms_norm_variant"](*args), BF16)
+                residual = self.randn(m, hidden)
+                fused = (x, residual, None if style == "none" else weight, 1e-6, style)
+                self.compare("fused_add_rms_norm_variant", f"T={m} H={hidden} {style}",
+                             self.aiter.ops["fused_add_rms_norm_variant"](*fused),
+                             self.reference.ops["fused_add_rms_norm_variant"](*fused), BF16)
             gate = self.randn(m, hidden)
             self.compare("rms_norm_gated", f"T={m} H={hidden}", self.aiter.ops["rms_norm_gated"](x, gate, weight, 1e-6),
                          self.reference.ops["rms_norm_gated"](x, gate, weight, 1e-6), BF16)

@@ -29,6 +29,8 @@ OPS = (
                             #   first rounded to the weight's dtype, as one device's GEMM rounds its output
     "rms_norm_variant",     # (x, weight|None, eps, style) -> normalised x in x's dtype; style "offset" (1 + w),
                             #   "float32" (w applied in float32), "none" (no weight), "llama" (= rms_norm)
+    "fused_add_rms_norm_variant",  # (x, residual, weight|None, eps, style) -> (rms_norm_variant(x + residual),
+                            #   x + residual), x rounded to the residual's dtype first; "llama" = fused_add_rms_norm
     "rms_norm_gated",       # (x, gate, weight, eps) -> w * norm(x) * silu(gate) (Gated DeltaNet's output norm)
     "rotary_embedding",     # (positions, q, k, cos_sin_cache, is_neox) -> (q, k), may be in place
     "silu_and_mul",         # (x[..., 2I]) -> silu(x[..., :I]) * x[..., I:]

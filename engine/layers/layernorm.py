@@ -34,8 +34,7 @@ class RMSNorm(nn.Module):
         if self.style != "llama":
             if residual is None:
                 return ops.rms_norm_variant(x, self.weight, self.eps, self.style)
-            residual = x.to(residual.dtype) + residual
-            return ops.rms_norm_variant(residual, self.weight, self.eps, self.style), residual
+            return ops.fused_add_rms_norm_variant(x, residual, self.weight, self.eps, self.style)
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -14,6 +14,7 @@ BACKEND = KernelBackend(
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
         "rms_norm_variant": ops.rms_norm_variant,
+        "fused_add_rms_norm_variant": ops.fused_add_rms_norm_variant,
         "rms_norm_gated": ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,

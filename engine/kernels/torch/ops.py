@@ -73,6 +73,16 @@ def rms_norm_variant(x: torch.Tensor, weight: torch.Tensor | None, eps: float, s
     return normed.to(x.dtype)
 
 
+def fused_add_rms_norm_variant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                               style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm_variant(x + residual), x + residual): x, an activation or a float32 all-reduced sum, is rounded
+    to the residual's dtype and added there. Style "llama" is fused_add_rms_norm."""
+    if style == "llama":
+        return fused_add_rms_norm(x, residual, weight, eps)
+    residual = x.to(residual.dtype) + residual
+    return rms_norm_variant(residual, weight, eps, style), residual
+
+
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated Delta Net's output norm (Qwen3-Next / Qwen3.5): w * norm(x), rounded to x's dtype first, times
     silu(gate) in float32, rounded once more."""

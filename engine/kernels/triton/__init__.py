@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.torch import ops as torch_ops
 from engine.kernels.triton import gdn, gemv, mla, moe, moe_quant, moe_routing, ops, quant
 from engine.kernels.triton.attention import TritonAttentionBackend
 from engine.kernels.triton.sampling import sample
@@ -26,10 +25,9 @@ BACKEND = KernelBackend(
         "gemm_float32": gemv.gemm_float32,
         "rms_norm": ops.rms_norm,
         "fused_add_rms_norm": ops.fused_add_rms_norm,
-        # The torch references: no Triton kernels for these norm styles yet, which gpt-oss, Gemma 4 and the
-        # Gated DeltaNet hybrids use (unmeasured on GPUs; see docs/MODELS.md).
-        "rms_norm_variant": torch_ops.rms_norm_variant,
-        "rms_norm_gated": torch_ops.rms_norm_gated,
+        "rms_norm_variant": ops.rms_norm_variant,
+        "fused_add_rms_norm_variant": ops.fused_add_rms_norm_variant,
+        "rms_norm_gated": ops.rms_norm_gated,
         "rotary_embedding": ops.rotary_embedding,
         "silu_and_mul": ops.silu_and_mul,
         "causal_conv1d": _GDN_OPS["causal_conv1d"],
