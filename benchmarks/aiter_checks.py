@@ -324,7 +324,8 @@ class OpChecks:
                  ("gemm_fp8_channel", QuantScheme("fp8_channel"), FP8),
                  ("gemm_fp8_block", QuantScheme("fp8_block"), FP8),
                  ("gemm_mxfp4", QuantScheme("mxfp4", "mxfp4"), MXFP4),
-                 ("gemm_mxfp4", QuantScheme("mxfp4", "none"), BF16))
+                 ("gemm_mxfp4", QuantScheme("mxfp4", "none"), BF16),
+                 ("gemm_int4_group", QuantScheme("int4_group", "none", (1, 32)), BF16))
 
     def _prepared(self, op: str, weight: torch.Tensor, scheme: QuantScheme, input_scale=None):
         """(the reference's QuantizedWeight, the aiter op's, prepared as a layer prepares it once, and the
@@ -364,7 +365,7 @@ class OpChecks:
 
     QUANTIZED_EXPERTS = ((QuantScheme("fp8_tensor"), FP8), (QuantScheme("fp8_channel"), FP8),
                          (QuantScheme("fp8_block"), FP8), (QuantScheme("mxfp4", "mxfp4"), MXFP4),
-                         (QuantScheme("mxfp4", "none"), BF16))
+                         (QuantScheme("mxfp4", "none"), BF16), (QuantScheme("int4_group", "none", (1, 32)), BF16))
 
     def quantized_experts(self) -> None:
         experts, top_k, hidden, intermediate = self.shapes.experts

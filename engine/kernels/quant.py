@@ -9,10 +9,12 @@ Schemes (`QuantScheme.method`), each with its GEMM op `gemm_<method>` and MoE op
 | `fp8_channel` | fp8 e4m3fn [N, K]      | [N]                                     | dynamic per token                   |
 | `fp8_block`   | fp8 e4m3fn [N, K]      | [ceil(N/bn), ceil(K/bk)] (bn, bk = block) | dynamic per token and K-block of bk |
 | `mxfp4`       | uint8 [N, K/2]: two e2m1 codes per byte, even k in the low nibble | uint8 e8m0 [N, K/32]: 2^(e - 127) | "none": unquantized (w4a16); "mxfp4": dynamic per 1x32 |
+| `int4_group`  | uint8 [N, K/2]: two codes q + 8 per byte (q in [-8, 7]), even k in the low nibble | [N, K/g] in the model's dtype (g = block[1]) | "none": unquantized (w4a16) |
 
 Checkpoints store some of these under other dtypes, converted on load (engine/loader/quant_plan.py
 `stored_form`): power-of-two (ue8m0) fp8_block scales as float8_e8m0fnu or exponent bytes, and DeepSeek-V4's
-FP4 experts (mxfp4 exactly, the codes as int8, the scales as float8_e8m0fnu).
+FP4 experts (mxfp4 exactly, the codes as int8, the scales as float8_e8m0fnu), and compressed-tensors'
+pack-quantized int4 (int4_group exactly: its int32 words [N, K/8] read as little-endian bytes).
 
 MoE experts add a leading expert dimension E to the weight and scale (per-tensor: [E]). A scale multiplies:
 W = weight.float() * scale (broadcast per block / row / group). Activations, where quantized, are quantized
@@ -26,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
-METHODS = ("fp8_tensor", "fp8_channel", "fp8_block", "mxfp4")
+METHODS = ("fp8_tensor", "fp8_channel", "fp8_block", "mxfp4", "int4_group")
 MXFP4_GROUP = 32
+INT4_OFFSET = 8  # an int4_group code is the signed value q (-8..7) plus 8: an unsigned nibble
 # e2m1 code -> value (bit 3 is the sign)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -37,20 +40,24 @@ class QuantScheme:
     """How one layer's weights and activations are quantized."""
     method: str                       # one of METHODS
     activation: str = "dynamic"       # "dynamic" | "static" (fp8_tensor with a checkpoint input_scale) |
-                                      # "none" (weight-only: mxfp4 w4a16) | "mxfp4" (mxfp4 w4a4)
-    block: tuple[int, int] = (128, 128)  # fp8_block: (rows, columns) of weight per scale
+                                      # "none" (weight-only: mxfp4 w4a16, int4_group) | "mxfp4" (mxfp4 w4a4)
+    block: tuple[int, int] = (128, 128)  # fp8_block: (rows, columns) of weight per scale; int4_group: (1, g)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown quantization method {self.method!r}; known: {METHODS}")
         allowed = {"fp8_tensor": ("dynamic", "static"), "fp8_channel": ("dynamic",),
-                   "fp8_block": ("dynamic",), "mxfp4": ("none", "mxfp4")}[self.method]
+                   "fp8_block": ("dynamic",), "mxfp4": ("none", "mxfp4"), "int4_group": ("none",)}[self.method]
         if self.activation not in allowed:
             raise ValueError(f"{self.method} weights take activations {allowed}, not {self.activation!r}")
+        # whole int32 words of the checkpoint per group: a tensor-parallel slice of whole groups is whole bytes
+        if self.method == "int4_group" and (self.block[0] != 1 or self.block[1] <= 0 or self.block[1] % 8):
+            raise ValueError(f"int4_group takes block (1, group size), the group a multiple of 8, not {self.block}")
 
     def describe(self) -> str:
-        """E.g. "fp8_block 128x128, dynamic activations"."""
-        block = f" {self.block[0]}x{self.block[1]}" if self.method == "fp8_block" else ""
+        """E.g. "fp8_block 128x128, dynamic activations", "int4_group 32, unquantized activations"."""
+        block = {"fp8_block": f" {self.block[0]}x{self.block[1]}",
+                 "int4_group": f" {self.block[1]}"}.get(self.method, "")
         activations = "unquantized activations" if self.activation == "none" else f"{self.activation} activations"
         return f"{self.method}{block}, {activations}"
 
@@ -60,27 +67,41 @@ class QuantScheme:
 
     @property
     def moe_op(self) -> str:
-        return "fused_experts_mxfp4" if self.method == "mxfp4" else "fused_experts_fp8"
+        return {"mxfp4": "fused_experts_mxfp4", "int4_group": "fused_experts_int4"}.get(self.method,
+                                                                                       "fused_experts_fp8")
+
+    @property
+    def packed(self) -> int:
+        """Weight values per stored element along K: two 4-bit codes per byte, else one."""
+        return 2 if self.method in ("mxfp4", "int4_group") else 1
+
+    @property
+    def scale_block(self) -> tuple[int, int] | None:
+        """(rows, columns) of weight under one scale where scales tile the weight in blocks or groups; None for
+        one scale per tensor or per row."""
+        if self.method in ("fp8_block", "int4_group"):
+            return self.block
+        return (1, MXFP4_GROUP) if self.method == "mxfp4" else None
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.method == "mxfp4" else FP8_DTYPE
+        return torch.uint8 if self.packed == 2 else FP8_DTYPE
 
     def weight_shape(self, n: int, k: int) -> tuple[int, int]:
-        return (n, k // 2) if self.method == "mxfp4" else (n, k)
+        return (n, k // self.packed)
 
     def scale_shape(self, n: int, k: int) -> tuple[int, ...]:
         if self.method == "fp8_tensor":
             return (1,)
         if self.method == "fp8_channel":
             return (n,)
-        if self.method == "fp8_block":
-            return (-(-n // self.block[0]), -(-k // self.block[1]))
-        return (n, k // MXFP4_GROUP)
+        rows, columns = self.scale_block
+        return (-(-n // rows), -(-k // columns))
 
     @property
-    def scale_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.method == "mxfp4" else torch.float32
+    def scale_dtype(self) -> torch.dtype | None:
+        """None: the model's dtype (what new parameters get), as int4 checkpoints' bf16/fp16 scales load."""
+        return {"mxfp4": torch.uint8, "int4_group": None}.get(self.method, torch.float32)
 
 
 @dataclass
@@ -100,8 +121,7 @@ class QuantizedWeight:
 
     @property
     def in_features(self) -> int:
-        k = self.weight.shape[-1]
-        return 2 * k if self.scheme.method == "mxfp4" else k
+        return self.weight.shape[-1] * self.scheme.packed
 
 
 # ---- reference maths (float32, any device) --------------------------------------------------------------
@@ -128,6 +148,12 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((table[low], table[high]), dim=-1).flatten(-2)
 
 
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K/2] -> float32 signed values q [..., K] (even k in the low nibble, q = code - 8)."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    return codes.float() - INT4_OFFSET
+
+
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """uint8 biased exponents -> float32 2^(e - 127) (255, NaN in the format, is not produced here)."""
     return torch.exp2(scale.float() - 127.0)
@@ -139,6 +165,8 @@ def dequantize_weight(qw: QuantizedWeight) -> torch.Tensor:
     if method == "mxfp4":
         values = unpack_e2m1(w)
         return values * e8m0_to_float(qw.scale).repeat_interleave(MXFP4_GROUP, dim=-1)
+    if method == "int4_group":
+        return unpack_int4(w) * s.repeat_interleave(qw.scheme.block[1], dim=-1)
     values = w.float()
     n, k = values.shape[-2:]
     if method == "fp8_tensor":
@@ -215,6 +243,8 @@ def quantize_weight(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeigh
     if scheme.method == "mxfp4":
         packed, scale = quantize_e2m1(w)
         return QuantizedWeight(scheme, packed, scale)
+    if scheme.method == "int4_group":
+        return quantize_int4(w, scheme)
     if scheme.method == "fp8_tensor":
         scale = divide(w.abs().flatten(-2).amax(dim=-1), limit).clamp(min=1e-12)
         shaped = scale[..., None, None]
@@ -230,6 +260,20 @@ def quantize_weight(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeigh
     scale = divide(blocks.abs().amax(dim=(-3, -1)), limit).clamp(min=1e-12)  # [..., N/bn, K/bk]
     q = (w / expand_block_scale(scale, n, k, scheme.block)).clamp(-limit, limit).to(FP8_DTYPE)
     return QuantizedWeight(scheme, q, scale)
+
+
+def quantize_int4(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+    """Symmetric int4 per group of g columns as compressed-tensors' min-max observer makes it: scale = amax / 7.5
+    (rounded to bf16, the dtype checkpoints store it in), q = round(w / scale) clamped to [-8, 7]."""
+    *lead, k = w.shape
+    group = scheme.block[1]
+    if k % group:
+        raise ValueError(f"int4 groups of {group} columns do not tile {k} columns")
+    groups = w.float().reshape(*lead, k // group, group)
+    scale = (groups.abs().amax(dim=-1) / 7.5).clamp(min=2.0 ** -100).bfloat16().float()
+    q = torch.round(groups / scale[..., None]).clamp(-INT4_OFFSET, INT4_OFFSET - 1).reshape(*lead, k)
+    codes = (q + INT4_OFFSET).to(torch.uint8)
+    return QuantizedWeight(scheme, codes[..., 0::2] | (codes[..., 1::2] << 4), scale)
 
 
 def expert_slice(qw: QuantizedWeight, expert: int) -> QuantizedWeight:

@@ -58,8 +58,10 @@ OPS = (
     "gemm_fp8_channel",     #   the same for each scheme
     "gemm_fp8_block",
     "gemm_mxfp4",
+    "gemm_int4_group",
     "fused_experts_fp8",    # (x, w13: QuantizedWeight [E,2I,H], w2: QuantizedWeight [E,H,I], weights, ids)
     "fused_experts_mxfp4",  #   -> [T,H], as fused_experts
+    "fused_experts_int4",
     # Multi-head latent attention (engine/kernels/mla.py states the contracts):
     "mla_attention",        # (q_nope[T,H,N], q_pe[T,H,R], latent[T,L], k_pe[T,R], kv_cache, metadata, weights: MLAWeights,
                             #   scale, block_size, kv_quant: KVCacheQuant | None = None) -> [T,H,V]: writes the

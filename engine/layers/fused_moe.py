@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.forward_context import MoEStep, current_moe_step
 from engine.kernels import ops
-from engine.kernels.quant import MXFP4_GROUP, QuantizedWeight, QuantScheme
+from engine.kernels.quant import QuantizedWeight, QuantScheme
 from engine.kernels.registry import prepare_quantized
 from engine.layers.linear import ReplicatedLinear, shard_range
 from engine.layers.quantization import (aligned_narrow, building_experts_scheme, new_param,
@@ -110,6 +110,12 @@ class FusedMoE(nn.Module):
             if scheme.method == "fp8_block" and I % scheme.block[0]:
                 raise ValueError(f"FP8 block-quantized experts need each rank's slice of the intermediate size "
                                  f"({I}) to be a multiple of the block ({scheme.block[0]})")
+            if scheme.method == "int4_group" and I % scheme.block[1]:  # w2's input: packed and scaled in groups
+                raise ValueError(f"int4 experts quantized in groups of {scheme.block[1]} need each rank's slice of "
+                                 f"the intermediate size to be whole groups; {self.intermediate_size} split over "
+                                 f"tensor_parallel_size {self.tp_size} gives {I} on rank {self.tp_rank}: choose a "
+                                 f"tensor-parallel size that divides {self.intermediate_size // scheme.block[1]} "
+                                 f"groups, or expert parallelism")
             self.w13 = new_param((E, *scheme.weight_shape(2 * I, H)), scheme.weight_dtype)
             self.w2 = new_param((E, *scheme.weight_shape(H, I)), scheme.weight_dtype)
             if scheme.method == "fp8_tensor":
@@ -162,13 +168,12 @@ class FusedMoE(nn.Module):
         scheme = self.quant_scheme
         if scheme is None:
             return 1
-        if param is self.w13_scale and scheme.method == "fp8_block":
-            return scheme.block[0]
+        block = scheme.scale_block
+        if param is self.w13_scale:
+            return block[0] if block else 1
         if param is self.w2_scale:
-            return {"fp8_block": scheme.block[1], "mxfp4": MXFP4_GROUP}.get(scheme.method, 1)
-        if param is self.w2 and scheme.method == "mxfp4":
-            return 2
-        return 1
+            return block[1] if block else 1
+        return scheme.packed if param is self.w2 else 1
 
     def expert_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple) -> None:
         if param is self.w13_input_scale or param is self.w2_input_scale:

@@ -5,7 +5,7 @@ Sizes that do not divide by the number of ranks are split as evenly as possible 
 unit more); paired layers (column then row) use the same split, so the maths is unchanged. Attention is
 split in whole GQA groups, so a model with 9 heads and 3 KV heads runs on 2 ranks as 6 + 3 heads.
 
-A layer built inside `engine.layers.quantization.quantized_build` holds its weight quantized (FP8 or MXFP4:
+A layer built inside `engine.layers.quantization.quantized_build` holds its weight quantized (FP8, MXFP4, int4:
 `weight`, `weight_scale`, maybe `input_scale`) and runs the scheme's GEMM op; its loaders shard the scales
 with the weight (a TP slice must start on a quantization-block boundary, checked).
 """
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.kernels import ops
-from engine.kernels.quant import MXFP4_GROUP, QuantizedWeight, QuantScheme
+from engine.kernels.quant import QuantizedWeight, QuantScheme
 from engine.kernels.registry import prepare_quantized
 from engine.layers.quantization import (aligned_narrow, building_linear_scheme, new_param,
                                         requantize_to_max_scale, unit_size)
@@ -83,12 +83,10 @@ class LinearBase(nn.Module):
         if scheme is None or param is self.bias:
             return (1, 1)
         if param is self.weight:
-            return (1, 2) if scheme.method == "mxfp4" else (1, 1)
+            return (1, scheme.packed)
         if param is self.input_scale or scheme.method == "fp8_tensor":
             return None
-        if scheme.method == "fp8_block":
-            return scheme.block
-        return (1, MXFP4_GROUP) if scheme.method == "mxfp4" else (1, 1)
+        return scheme.scale_block or (1, 1)
 
     def _checkpoint_form(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
         if param is self.weight_scale and self.quant_scheme.method == "fp8_channel":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 
 import torch
 from torch import nn
@@ -78,15 +79,18 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> None:
 
 
 _SCALE_SUFFIX = re.compile(r"\.weight_scale_inv$")
+# compressed-tensors pack-quantized: the packed codes are the layer's weight; `weight_shape` goes to the weight
+# too, where online_quantized checks it and loads nothing.
+_PACKED_SUFFIX = re.compile(r"\.weight_(?:packed|shape)$")
 _KV_SCALE = re.compile(r"\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
 
 
 def checkpoint_param_name(name: str, params: dict) -> str | None:
     """Our name for a quantized checkpoint's extra tensors, or None to skip one: HF fp8's `weight_scale_inv`
-    is our `weight_scale` (both multiply the weight); per-tensor KV-cache scales (`self_attn.k_scale`,
-    Quark's `k_proj.output_scale`) belong to the attention layer (`self_attn.attn.k_scale`), and are
-    skipped for a model without one there."""
-    name = _SCALE_SUFFIX.sub(".weight_scale", name)
+    is our `weight_scale` (both multiply the weight); compressed-tensors' `weight_packed` (and `weight_shape`)
+    our `weight`; per-tensor KV-cache scales (`self_attn.k_scale`, Quark's `k_proj.output_scale`) belong to
+    the attention layer (`self_attn.attn.k_scale`), and are skipped for a model without one there."""
+    name = _PACKED_SUFFIX.sub(".weight", _SCALE_SUFFIX.sub(".weight_scale", name))
     match = _KV_SCALE.search(name)
     if match:
         kind = match.group(1) or match.group(2)
@@ -111,12 +115,18 @@ def stored_form(name: str, param: nn.Parameter, tensor: torch.Tensor) -> torch.T
     - e8m0 scales (`scale_fmt: "ue8m0"`) as float8_e8m0fnu: the exponent bytes of an MXFP4 scale, or the
       (exact, power-of-two) float32 scale of an FP8 layer;
     - e8m0 exponent bytes (uint8) for an FP8 layer's float32 scale: 2^(e - 127);
-    - float32 scales of an MXFP4 layer: their exponents, which must be powers of two.
+    - float32 scales of an MXFP4 layer: their exponents, which must be powers of two;
+    - compressed-tensors' packed int4 weights, int32 [N, K/8] with value k at bits 4 (k % 8): their bytes
+      [N, K/2] in memory order, which on a little-endian machine put value 2j in byte j's low nibble.
     Anything else is returned as it is (the parameter's loader converts or refuses it)."""
     is_scale = name.endswith("scale")
     if param.dtype == torch.uint8:
         if tensor.dtype in (torch.int8, _E8M0, _FP4X2):
             return tensor.view(torch.uint8)
+        if tensor.dtype == torch.int32 and not is_scale and tensor.dim() >= 2:
+            if sys.byteorder != "little":
+                raise ValueError("packed int4 weights are read as little-endian bytes; this machine is big-endian")
+            return tensor.contiguous().view(torch.uint8)
         if is_scale and tensor.dtype == torch.float32:
             exponent = torch.log2(tensor)
             if not (torch.isfinite(exponent).all() and (exponent == exponent.round()).all()
@@ -137,6 +147,9 @@ def online_quantized(model: nn.Module, name: str, param: nn.Parameter, tensor: t
     (`stored_form`), or, when `plan` quantizes online and the tensor is a full-precision weight of a quantized
     layer, its quantized values and scale (and an input scale of 1 where the scheme's activations are static:
     random weights have no calibration)."""
+    if is_packed_shape(param, tensor):
+        check_packed_shape(model, name, tensor)
+        return []
     tensor = stored_form(name, param, tensor)
     quantizing = (plan is not None and plan.online and tensor.is_floating_point()
                   and param.dtype in (torch.float8_e4m3fn, torch.uint8))
@@ -157,6 +170,39 @@ def online_quantized(model: nn.Module, name: str, param: nn.Parameter, tensor: t
     if scheme.activation == "static":  # a dummy load of a static-FP8 config: no calibration, inputs up to fp8 max
         pairs.append((input_name, torch.ones(())))
     return pairs
+
+
+def is_packed_shape(param: nn.Parameter, tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a compressed-tensors `weight_shape` (two integers) arriving at a packed weight."""
+    return param.dtype == torch.uint8 and tensor.dim() == 1 and tensor.numel() == 2 and \
+        not tensor.is_floating_point()
+
+
+def check_packed_shape(model: nn.Module, name: str, shape: torch.Tensor) -> None:
+    """A packed weight's `weight_shape` [out, in] against its layer: routed experts' gate/up [I, H] and down
+    [H, I]; a linear layer's input features where it holds them all (its packed tensor's own shape check covers
+    the rest). The packing must not pad the input features (a padded row would shift every scale group)."""
+    from engine.layers.fused_moe import FusedMoE
+    from engine.layers.linear import LinearBase
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if module.quant_scheme is None or module.quant_scheme.method != "int4_group":
+        raise ValueError(f"a weight_shape (of a pack-quantized weight) arrived for a layer quantized as "
+                         f"{module.quant_scheme.describe() if module.quant_scheme else 'nothing'}")
+    out_features, in_features = (int(v) for v in shape.tolist())
+    if isinstance(module, FusedMoE):
+        I, H = module.intermediate_size, module.hidden_size
+        expected = (H, I) if leaf == "w2" else (I, H)
+        if (out_features, in_features) != expected:
+            raise ValueError(f"weight_shape says the packed expert weight is {[out_features, in_features]}; the "
+                             f"layer's is {list(expected)}")
+    elif isinstance(module, LinearBase) and (module.tp_dim != 1 or module.tp_size == 1):
+        if in_features != module.input_size:
+            raise ValueError(f"weight_shape says the packed weight has {in_features} input features; the layer "
+                             f"has {module.input_size}")
+    group = module.quant_scheme.block[1]
+    if in_features % group:
+        raise ValueError(f"weight_shape's {in_features} input features are not whole groups of {group}")
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -12,7 +12,9 @@ Formats (quant_method, who writes it: how it maps):
   routed experts as the linear layers, "fp4" as MXFP4 (FP4_EXPERTS below).
 - `compressed-tensors` (llm-compressor, RedHatAI/*): each `config_groups` entry by its weight and input
   strategies: channel + dynamic token -> fp8_channel, tensor + tensor -> fp8_tensor, block + dynamic group of
-  the block's width -> fp8_block; targets `Linear`, names or `re:` regexes; exclusions in `ignore`.
+  the block's width -> fp8_block; `pack-quantized` symmetric 4-bit int weights in groups with no input
+  quantization (W4A16: Kimi-K2-Thinking, Kimi-K2.5, RedHatAI/*-w4a16) -> int4_group of the group size; targets
+  `Linear`, names or `re:` regexes; exclusions in `ignore`.
 - `quark` (AMD Quark, amd/*): `layer_quant_config` patterns, else `layer_type_quant_config` Linear, else
   `global_quant_config`; fp8_e4m3 per_tensor / per_channel (+ per-token inputs) / per_block (+ per_group
   inputs) as above, fp4 per_group 32 e8m0 -> mxfp4 (inputs fp4: "mxfp4", none: "none"); exclusions in `exclude`.
@@ -231,6 +233,10 @@ def _parse_hf_fp8(raw: dict) -> QuantConfig:
 # ---- compressed-tensors (llm-compressor) ---------------------------------------------------------------
 
 CT_FORMATS = (None, "float-quantized", "naive-quantized")
+CT_INT4_FORMAT = "pack-quantized"
+# ActivationOrdering values that store the groups in column order (no `weight_g_idx`): "weight" (alias
+# "static") only changes the calibration; "group" ("dynamic", or `true` in older exports) permutes them.
+CT_IN_ORDER = (None, False, "weight", "static")
 
 
 def _ct_scheme(group: dict, default_format: str | None) -> Rule:
@@ -238,12 +244,14 @@ def _ct_scheme(group: dict, default_format: str | None) -> Rule:
     fmt = group.get("format") or default_format
     if weights is None:
         return None
+    if weights.get("type", "int") == "int":  # compressed-tensors' defaults: int, 8 bits, symmetric
+        return _ct_int_scheme(weights, inputs, fmt)
     if fmt not in CT_FORMATS:
-        return Unsupported(f"compressed-tensors format {fmt!r} is not supported yet; supported: float-quantized, "
-                           f"naive-quantized (FP8)")
-    if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
-        return Unsupported(f"{weights.get('num_bits')}-bit {weights.get('type')} weights (INT8, W4A16, FP4...) "
-                           f"are not supported yet; supported: 8-bit float (FP8) weights")
+        return Unsupported(f"compressed-tensors format {fmt!r} with float weights is not supported; supported: "
+                           f"float-quantized, naive-quantized (FP8)")
+    if weights.get("num_bits") != 8:
+        return Unsupported(f"{weights.get('num_bits')}-bit float weights (NVFP4, MXFP4...) are not supported yet "
+                           f"in compressed-tensors; supported: 8-bit float (FP8) weights, 4-bit int (W4A16)")
     if weights.get("dynamic") or weights.get("symmetric") is False:
         return Unsupported("dynamic or asymmetric FP8 weights are not supported; supported: static symmetric")
     if inputs is None:
@@ -264,6 +272,31 @@ def _ct_scheme(group: dict, default_format: str | None) -> Rule:
     return Unsupported(f"FP8 weights with strategy {w!r} and {'dynamic' if dynamic else 'static'} {a!r} "
                        f"activations are not supported; supported: channel + dynamic token, tensor + tensor, "
                        f"block + dynamic group of the block's width")
+
+
+def _ct_int_scheme(weights: dict, inputs: dict | None, fmt: str | None) -> Rule:
+    """Integer weights: symmetric 4-bit in groups, packed, weight-only (W4A16) -> int4_group."""
+    bits, strategy, group_size = weights.get("num_bits", 8), weights.get("strategy"), weights.get("group_size")
+    supported = ("supported: 4-bit int weights, symmetric, strategy group (a group_size that is a multiple of 8), "
+                 "format pack-quantized, no input quantization (W4A16)")
+    if bits != 4:
+        return Unsupported(f"{bits}-bit int weights are not supported; {supported}")
+    if inputs is not None:
+        return Unsupported(f"4-bit int weights with {inputs.get('num_bits')}-bit {inputs.get('type')} activations "
+                           f"(W4A{inputs.get('num_bits')}) are not supported; {supported}")
+    if fmt != CT_INT4_FORMAT:
+        return Unsupported(f"4-bit int weights in format {fmt!r} are not supported; {supported}")
+    if strategy != "group" or not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
+        return Unsupported(f"4-bit int weights with strategy {strategy!r} and group_size {group_size!r} are not "
+                           f"supported; {supported}")
+    if weights.get("symmetric") is False:
+        return Unsupported(f"asymmetric 4-bit int weights (weight_zero_point) are not supported; {supported}")
+    if weights.get("dynamic"):
+        return Unsupported(f"dynamic 4-bit int weights are not supported; {supported}")
+    if weights.get("actorder") not in CT_IN_ORDER:
+        return Unsupported(f"4-bit int weights with actorder {weights.get('actorder')!r} (groups permuted by "
+                           f"weight_g_idx) are not supported; supported: actorder null or 'weight'")
+    return QuantScheme("int4_group", "none", (1, group_size))
 
 
 def _block_structure(value) -> tuple[int, int]:

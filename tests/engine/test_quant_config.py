@@ -411,9 +411,10 @@ def test_compressed_tensors_target_by_name_beats_the_class_target():
     assert config.linear_scheme("model.layers.0.self_attn.q_proj") == FP8_CHANNEL
 
 
-def test_compressed_tensors_int4_is_not_supported_yet():
-    with pytest.raises(QuantConfigError, match="not supported yet"):
-        parse(CT_W4A16)
+def test_compressed_tensors_w4a16_is_int4_in_groups():
+    config = parse(CT_W4A16)
+    assert config.linear_scheme("model.layers.0.mlp.down_proj") == QuantScheme("int4_group", "none", (1, 128))
+    assert config.linear_scheme("lm_head") is None
 
 
 def test_compressed_tensors_weight_only_fp8_is_refused_naming_the_combination():

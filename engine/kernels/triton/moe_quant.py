@@ -1,6 +1,7 @@
 """The routed experts' MLPs on quantized weights in Triton: `fused_experts` (moe.py) with each grouped GEMM's
-weight tiles read as FP8 (per-tensor, per-row or block scales) or packed e2m1 (MXFP4) and dequantized in the
-K loop (the scale formats: engine/kernels/quant.py; the reference: engine/kernels/torch/quant.py).
+weight tiles read as FP8 (per-tensor, per-row or block scales), packed e2m1 (MXFP4) or packed int4 codes in
+groups (int4_group, through int4.py) and dequantized in the K loop (the scale formats: engine/kernels/quant.py;
+the reference: engine/kernels/torch/quant.py).
 
 Where each expert sees at most 16 pairs (decode, small batches: bound by reading the weights) the products
 are weight-only, against unquantized activations (e4m3 -> bf16 through quant.e4m3_to_bf16 on Hopper: 8-9 %
@@ -10,7 +11,7 @@ run W8A8: the activations are quantized per token (fp8_tensor, fp8_channel) or p
 at 512 and 2048 tokens 13 % and 25 % faster than weight-only dequantization, the quantization pass
 included). (The reference quantizes fp8_tensor activations per tensor, over each expert's tokens; per token
 is finer.) MXFP4 w4a4
-quantizes the activations to MXFP4 as the reference does; w4a16 leaves them. As in moe.py, nothing reads a
+quantizes the activations to MXFP4 as the reference does; w4a16 (MXFP4, int4) leaves them. As in moe.py, nothing reads a
 device value on the host and every shape follows from the inputs' shapes (CUDA-graph safe).
 """
 from __future__ import annotations
@@ -22,9 +23,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels.quant import QuantizedWeight
-from engine.kernels.triton import moe, pdl, quant
+from engine.kernels.triton import int4, moe, pdl, quant
 from engine.kernels.triton.activation_quant import ACT_MXFP4, quantize_activations
-from engine.kernels.triton.quant import (METHOD_CODES, MXFP4, accumulate, activation_scales,
+from engine.kernels.triton.quant import (INT4, METHOD_CODES, MXFP4, accumulate, activation_scales,
                                          block_k_within, fp8_tensor_cores, operands, prepare, scale_output,
                                          weight_scales)
 
@@ -64,18 +65,26 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w13_ptr, w13_scale_ptr, act_ptr, sorted_
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
-        a = tl.load(x_rows + k // PACKED_A + ka[None, :],
-                    mask=valid[:, None] & (k // PACKED_A + ka < hidden // PACKED_A)[None, :], other=0.0)
-        w_mask = (k // PACKED_W + kw < hidden // PACKED_W)[:, None] & feature_mask[None, :]
-        a_scale = activation_scales(x_scale_ptr, a_index, valid, k, hidden, METHOD, ACT, BLOCK_SK, BLOCK_K)
-        gate_scale = weight_scales(s_base, features, feature_mask, k, hidden, stride_sn, METHOD, BLOCK_SN,
-                                   BLOCK_SK, BLOCK_K)
-        up_scale = weight_scales(s_base, inter + features, feature_mask, k, hidden, stride_sn, METHOD, BLOCK_SN,
-                                 BLOCK_SK, BLOCK_K)
-        gate = accumulate(gate, a, a_scale, tl.load(gate_rows + k // PACKED_W + kw[:, None], mask=w_mask, other=0.0),
-                          gate_scale, METHOD, ACT, UPCAST, FAST_FP8)
-        up = accumulate(up, a, a_scale, tl.load(up_rows + k // PACKED_W + kw[:, None], mask=w_mask, other=0.0),
-                        up_scale, METHOD, ACT, UPCAST, FAST_FP8)
+        if METHOD == INT4:
+            gate_scales = s_base + features.to(tl.int64)[None, :] * stride_sn
+            gate = int4.accumulate_int4(gate, x_rows, valid, gate_rows, gate_scales, feature_mask, k, hidden,
+                                        BLOCK_SK, BLOCK_K, UPCAST)
+            up = int4.accumulate_int4(up, x_rows, valid, up_rows, gate_scales + inter.to(tl.int64) * stride_sn,
+                                      feature_mask, k, hidden, BLOCK_SK, BLOCK_K, UPCAST)
+        else:
+            a = tl.load(x_rows + k // PACKED_A + ka[None, :],
+                        mask=valid[:, None] & (k // PACKED_A + ka < hidden // PACKED_A)[None, :], other=0.0)
+            w_mask = (k // PACKED_W + kw < hidden // PACKED_W)[:, None] & feature_mask[None, :]
+            a_scale = activation_scales(x_scale_ptr, a_index, valid, k, hidden, METHOD, ACT, BLOCK_SK, BLOCK_K)
+            gate_scale = weight_scales(s_base, features, feature_mask, k, hidden, stride_sn, METHOD, BLOCK_SN,
+                                       BLOCK_SK, BLOCK_K)
+            up_scale = weight_scales(s_base, inter + features, feature_mask, k, hidden, stride_sn, METHOD, BLOCK_SN,
+                                     BLOCK_SK, BLOCK_K)
+            gate = accumulate(gate, a, a_scale,
+                              tl.load(gate_rows + k // PACKED_W + kw[:, None], mask=w_mask, other=0.0), gate_scale,
+                              METHOD, ACT, UPCAST, FAST_FP8)
+            up = accumulate(up, a, a_scale, tl.load(up_rows + k // PACKED_W + kw[:, None], mask=w_mask, other=0.0),
+                            up_scale, METHOD, ACT, UPCAST, FAST_FP8)
     gate = scale_output(gate, x_scale_ptr, a_index, s_base, features, feature_mask, METHOD, ACT)
     up = scale_output(up, x_scale_ptr, a_index, s_base, inter + features, feature_mask, METHOD, ACT)
     if BIAS:
@@ -114,14 +123,20 @@ def _down_kernel(act_ptr, act_scale_ptr, w2_ptr, w2_scale_ptr, expert_out_ptr, s
     s_base = w2_scale_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, inter, BLOCK_K):
-        a = tl.load(act_rows + k // PACKED_A + ka[None, :],
-                    mask=valid[:, None] & (k // PACKED_A + ka < inter // PACKED_A)[None, :], other=0.0)
-        w = tl.load(w_rows + k // PACKED_W + kw[:, None],
-                    mask=(k // PACKED_W + kw < inter // PACKED_W)[:, None] & feature_mask[None, :], other=0.0)
-        a_scale = activation_scales(act_scale_ptr, rows * stride_as, valid, k, inter, METHOD, ACT, BLOCK_SK, BLOCK_K)
-        w_scale = weight_scales(s_base, features, feature_mask, k, inter, stride_sn, METHOD, BLOCK_SN, BLOCK_SK,
-                                BLOCK_K)
-        acc = accumulate(acc, a, a_scale, w, w_scale, METHOD, ACT, UPCAST, FAST_FP8)
+        if METHOD == INT4:
+            scales = s_base + features.to(tl.int64)[None, :] * stride_sn
+            acc = int4.accumulate_int4(acc, act_rows, valid, w_rows, scales, feature_mask, k, inter, BLOCK_SK, BLOCK_K,
+                                       UPCAST)
+        else:
+            a = tl.load(act_rows + k // PACKED_A + ka[None, :],
+                        mask=valid[:, None] & (k // PACKED_A + ka < inter // PACKED_A)[None, :], other=0.0)
+            w = tl.load(w_rows + k // PACKED_W + kw[:, None],
+                        mask=(k // PACKED_W + kw < inter // PACKED_W)[:, None] & feature_mask[None, :], other=0.0)
+            a_scale = activation_scales(act_scale_ptr, rows * stride_as, valid, k, inter, METHOD, ACT, BLOCK_SK,
+                                        BLOCK_K)
+            w_scale = weight_scales(s_base, features, feature_mask, k, inter, stride_sn, METHOD, BLOCK_SN, BLOCK_SK,
+                                    BLOCK_K)
+            acc = accumulate(acc, a, a_scale, w, w_scale, METHOD, ACT, UPCAST, FAST_FP8)
     acc = scale_output(acc, act_scale_ptr, rows * stride_as, s_base, features, feature_mask, METHOD, ACT)
     if BIAS:
         acc = moe.add_down_bias(acc, b2_ptr, expert, stride_be, features, feature_mask,
@@ -136,8 +151,8 @@ def fused_experts_quantized(x: torch.Tensor, w13: QuantizedWeight, w2: Quantized
                             w2_bias: torch.Tensor | None = None, oai_alpha: float | None = None,
                             gelu: bool = False) -> torch.Tensor:
     """`fused_experts` with quantized experts w13 [E, 2I, H] and w2 [E, H, I] (one scheme for both): the ops
-    fused_experts_fp8 and fused_experts_mxfp4. `swiglu_limit` (DeepSeek-V4): gate clamped to <= limit and up
-    to [-limit, limit] before the SiLU."""
+    fused_experts_fp8, fused_experts_mxfp4 and fused_experts_int4. `swiglu_limit` (DeepSeek-V4): gate clamped to
+    <= limit and up to [-limit, limit] before the SiLU."""
     num_tokens, hidden = x.shape
     assert w13.scheme == w2.scheme, (w13.scheme, w2.scheme)
     assert w13.out_features == 2 * w2.in_features and w13.in_features == w2.out_features == hidden, \
@@ -163,14 +178,14 @@ def _chunk(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: 
     num_pairs = num_tokens * top_k
     if x.stride(1) != 1:
         x = x.contiguous()
-    fp8_products = W8A8_EXPERTS and scheme.method != "mxfp4" and fp8_tensor_cores(x.device)
+    fp8_products = W8A8_EXPERTS and scheme.method.startswith("fp8") and fp8_tensor_cores(x.device)
     tiles = tiles or default_tiles(num_pairs, num_experts, x.element_size(), scheme, fp8_products)
     w8a8 = fp8_products and tiles.block_m > 16
     sorted_pairs, block_expert = moe.align_pairs(ids, num_experts, tiles.block_m)
     num_blocks = block_expert.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     expert_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    fast_fp8 = quant.FAST_FP8_CONVERSION and scheme.method != "mxfp4" and quant._sm90_cuda(x.device)
+    fast_fp8 = quant.FAST_FP8_CONVERSION and scheme.method.startswith("fp8") and quant._sm90_cuda(x.device)
     launch = dict(METHOD=METHOD_CODES[scheme.method], BLOCK_SN=scheme.block[0], BLOCK_SK=scheme.block[1],
                   UPCAST=x.device.type == "cpu", FAST_FP8=fast_fp8, num_warps=tiles.num_warps,
                   num_stages=tiles.num_stages, **pdl.launch_options(x))

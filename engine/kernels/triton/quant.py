@@ -17,11 +17,13 @@ By rows M of the product:
 - M > 16 elsewhere (no FP8 tensor cores, ROCm): the weight-only kernel with larger tiles.
 - mxfp4 at any M: the same kernel on `tl.dot_scaled` (e2m1 weight against bf16/fp16 activations, or against
   MXFP4 activations for w4a4); fp32 activations are rounded to bf16 first in the weight-only variant.
+- int4_group at any M: the same kernel, weight-only: each group's codes multiply the activations as integers
+  in their dtype and the group's product takes its scales (int4.py).
 
 Shape rules: fp8_block needs K-blocks of a multiple of 16 columns (128 in every checkpoint; each K tile is the
-largest power of two dividing them, up to 128); mxfp4 needs K % 32 == 0 (the format's). Nothing reads a device
-value on the host, and every shape follows from the inputs' shapes, so decode steps on these ops can be
-captured in CUDA graphs.
+largest power of two dividing them, up to 128); mxfp4 needs K % 32 == 0 (the format's); int4_group whole groups
+of a power of two of at least 32 columns. Nothing reads a device value on the host, and every shape follows
+from the inputs' shapes, so decode steps on these ops can be captured in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.quant import MXFP4_GROUP, QuantizedWeight
-from engine.kernels.triton import fp8_gemv, gemv, pdl, workspace
+from engine.kernels.triton import fp8_gemv, gemv, int4, pdl, workspace
 from engine.kernels.triton.activation_quant import ACT_FP8, ACT_MXFP4, quantize_activations
 from engine.kernels.triton.common import dot
 
@@ -42,7 +44,8 @@ TENSOR = tl.constexpr(0)
 CHANNEL = tl.constexpr(1)
 BLOCK = tl.constexpr(2)
 MXFP4 = tl.constexpr(3)
-METHOD_CODES = {"fp8_tensor": 0, "fp8_channel": 1, "fp8_block": 2, "mxfp4": 3}
+INT4 = tl.constexpr(4)
+METHOD_CODES = {"fp8_tensor": 0, "fp8_channel": 1, "fp8_block": 2, "mxfp4": 3, "int4_group": 4}
 
 MAX_SKINNY_ROWS = 16
 FAST_FP8_CONVERSION = True  # e4m3_to_bf16 in the weight-only kernels where the GPU takes it (off: `.to`)
@@ -215,7 +218,7 @@ def _gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, K,
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
-    PACKED_W: tl.constexpr = 2 if METHOD == MXFP4 else 1
+    PACKED_W: tl.constexpr = 2 if METHOD == MXFP4 or METHOD == INT4 else 1
     PACKED_A: tl.constexpr = 2 if ACT == ACT_MXFP4 else 1
     w_rows = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     if USE_PDL:
@@ -235,18 +238,23 @@ def _gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, K,
     for k0 in range(0, K, BLOCK_K):
         for step in tl.static_range(K_STEPS):
             k = k0 + step * SUB_K
-            a = tl.load(a_rows + k // PACKED_A + ka[None, :],
-                        mask=row_mask[:, None] & (k // PACKED_A + ka < K // PACKED_A)[None, :], other=0.0)
-            w = tl.load(w_rows + k // PACKED_W + kw[:, None],
-                        mask=(k // PACKED_W + kw < K // PACKED_W)[:, None] & col_mask[None, :], other=0.0)
-            a_scale = activation_scales(a_scale_ptr, a_index, row_mask, k, K, METHOD, ACT, BLOCK_SK, SUB_K)
-            if METHOD == BLOCK and BLOCK_SN % BLOCK_N == 0:  # one scale block row: one scale, not a gather
-                w_scale = tl.zeros([BLOCK_N], dtype=tl.float32) + tl.load(
-                    w_scale_ptr + (pid_n * BLOCK_N // BLOCK_SN).to(tl.int64) * stride_wsn + k // BLOCK_SK)
+            if METHOD == INT4:
+                acc = int4.accumulate_int4(acc, a_rows, row_mask, w_rows,
+                                           w_scale_ptr + cols.to(tl.int64)[None, :] * stride_wsn, col_mask, k, K,
+                                           BLOCK_SK, SUB_K, UPCAST)
             else:
-                w_scale = weight_scales(w_scale_ptr, cols, col_mask, k, K, stride_wsn, METHOD, BLOCK_SN, BLOCK_SK,
-                                        SUB_K)
-            acc = accumulate(acc, a, a_scale, w, w_scale, METHOD, ACT, UPCAST, FAST_FP8)
+                a = tl.load(a_rows + k // PACKED_A + ka[None, :],
+                            mask=row_mask[:, None] & (k // PACKED_A + ka < K // PACKED_A)[None, :], other=0.0)
+                w = tl.load(w_rows + k // PACKED_W + kw[:, None],
+                            mask=(k // PACKED_W + kw < K // PACKED_W)[:, None] & col_mask[None, :], other=0.0)
+                a_scale = activation_scales(a_scale_ptr, a_index, row_mask, k, K, METHOD, ACT, BLOCK_SK, SUB_K)
+                if METHOD == BLOCK and BLOCK_SN % BLOCK_N == 0:  # one scale block row: one scale, not a gather
+                    w_scale = tl.zeros([BLOCK_N], dtype=tl.float32) + tl.load(
+                        w_scale_ptr + (pid_n * BLOCK_N // BLOCK_SN).to(tl.int64) * stride_wsn + k // BLOCK_SK)
+                else:
+                    w_scale = weight_scales(w_scale_ptr, cols, col_mask, k, K, stride_wsn, METHOD, BLOCK_SN,
+                                            BLOCK_SK, SUB_K)
+                acc = accumulate(acc, a, a_scale, w, w_scale, METHOD, ACT, UPCAST, FAST_FP8)
     acc = scale_output(acc, a_scale_ptr, a_index, w_scale_ptr, cols, col_mask, METHOD, ACT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -265,6 +273,10 @@ def prepare(qw: QuantizedWeight) -> None:
     k = qw.in_features
     if method == "mxfp4" and k % MXFP4_GROUP:
         raise ValueError(f"MXFP4 weights need in_features % 32 == 0, not {k}")
+    if method == "int4_group":
+        int4.check_group(qw.scheme.block[1])
+        if k % qw.scheme.block[1]:
+            raise ValueError(f"int4 weights need in_features ({k}) to be whole groups of {qw.scheme.block[1]}")
     if method == "fp8_block" and qw.scheme.block[1] % 16:
         raise ValueError(f"the Triton FP8 block kernels need scale blocks of a multiple of 16 columns, not "
                          f"{qw.scheme.block}")
@@ -305,6 +317,8 @@ def _skinny_tiles(method: str, block: tuple[int, int], element_size: int, n: int
     path) take short tiles."""
     if method == "mxfp4":
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_stages=4, num_warps=4)
+    if method == "int4_group":  # (unmeasured) mxfp4's tile; float32 activations take short K tiles
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256 if element_size <= 2 else 64, num_stages=4, num_warps=4)
     block_n = 32
     one_wave = triton.cdiv(n, block_n) <= num_sms
     block_k, steps, stages = SKINNY_FP8_TILES["fp8_block" if method == "fp8_block" else "fp8", one_wave]
@@ -342,8 +356,8 @@ def _launch(a, a_scale, weight, w_scale, bias, out, method: str, act, block: tup
     block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
     skinny = block_m == MAX_SKINNY_ROWS and m <= MAX_SKINNY_ROWS
     pdl_options = pdl.launch_options(out)
-    fast_fp8 = FAST_FP8_CONVERSION and method != "mxfp4" and _sm90_cuda(out.device)
-    packed = 2 if method == "mxfp4" else 1
+    fast_fp8 = FAST_FP8_CONVERSION and method.startswith("fp8") and _sm90_cuda(out.device)
+    packed = 2 if method in ("mxfp4", "int4_group") else 1
     lines = gemv.prefetch_lines(n, k // packed, weight.element_size(), None,
                                 gemv.device_prefetch_bytes_per_row(out.device)) if skinny else 0
     if a_scale is None:
@@ -410,7 +424,7 @@ def gemm_quantized(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
     if m == 0:
         return torch.empty(*x.shape[:-1], n, dtype=out_dtype, device=x.device)
     skinny = m <= MAX_SKINNY_ROWS
-    w8a8 = not skinny and fp8_tensor_cores(x.device)
+    w8a8 = not skinny and method.startswith("fp8") and fp8_tensor_cores(x.device)
     a, a_scale, act = quantize_activations(rows, qw, w8a8)
     fp8_activations = act == ACT_FP8.value
     if fp8_activations and method in ("fp8_tensor", "fp8_channel") and _scaled_mm_serves(x, method, n, k, out_dtype):
