@@ -23,10 +23,16 @@ from engine.lockstep import BUSY, IDLE, STOP, Lockstep
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output.manager import StructuredOutputManager, wait_for
 from engine.tokenizer import Tokenizer, eos_ids_from_config
 
 logger = logging.getLogger(__name__)
 
+# A grammar that is not cached compiles in a pool while its request waits. The next step waits this long at
+# most for it (once), so that a grammar that compiles quickly (most: under a millisecond) makes that step rather
+# than the one after; an engine with nothing else to run waits for one up to IDLE_GRAMMAR_WAIT_S at a time.
+NEW_GRAMMAR_WAIT_S = 0.005
+IDLE_GRAMMAR_WAIT_S = 0.01
 # Tokens per step by device. A step's time is what every running stream waits between two tokens while a
 # prompt is prefilled: on a CPU, 512 prompt tokens of SmolLM2-135M take 1-7 s (longer contexts cost more).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
@@ -153,10 +159,12 @@ class LLMEngine:
                 "cache more memory (num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)")
         # The pools as the runners allocated them (an executor that reports none has one full group).
         layout = self.executor.initialize_kv_cache(num_blocks) or CacheLayout.single(num_blocks, config.block_size)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.source.hf_config.vocab_size,
+                                                         self.eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill, config.long_prefill_token_threshold),
-            KVCacheManager(layout, config.enable_prefix_caching))
+            KVCacheManager(layout, config.enable_prefix_caching), self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_source = random.Random(config.seed)
         self._run_ahead = getattr(self.executor, "runs_asynchronously", False)
@@ -231,10 +239,13 @@ class LLMEngine:
             sample_id = request_id if params.n == 1 else f"{request_id}/{index}"
             seed = params.seed + index if params.seed is not None else self._seed_source.getrandbits(63)
             samples[sample_id] = dataclasses.replace(params, seed=seed, n=1)
+        # Each sample its own matcher; the grammar compiles once (cached) while the request waits.
+        grammars = {sample_id: self.structured_output.request(params.structured_outputs)
+                    if params.structured_outputs is not None else None for sample_id in samples}
         self.output_processor.add_request(request_id, text, token_ids, samples, arrival_time)
         for sample_id, sample_params in samples.items():
             self.scheduler.add_request(Request(sample_id, token_ids, sample_params, max_tokens,
-                                               self.eos_token_ids, arrival_time))
+                                               self.eos_token_ids, arrival_time, grammars[sample_id]))
         self.num_prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -251,30 +262,55 @@ class LLMEngine:
     # A step is three phases, so that a distributed coordinator can dispatch step N+1 to the workers
     # before it detokenizes step N: schedule_step -> (executor) -> update_step -> process_step.
     def step(self) -> list[RequestOutput]:
+        self._wait_for_new_grammars()
+        scheduled = self.schedule_step()
+        outputs = self._grammar_failures()
+        if scheduled is None and self._in_flight is None:
+            compiling = self.scheduler.grammars_compiling()
+            if compiling:  # nothing to run until a grammar is ready: wait for one rather than spin
+                wait_for(compiling, IDLE_GRAMMAR_WAIT_S, any_of=True)
         if not self._run_ahead:
-            scheduled = self.schedule_step()
             if scheduled is None:
-                return []
+                return outputs
             if scheduled.dummy:  # nothing of ours to run: only the other DP ranks' exchanges
                 self.executor.execute(scheduled)
-                return []
+                return outputs
             output = self.executor.execute(scheduled)
-            return self.process_step(self.update_step(scheduled, output), output)
+            return outputs + self.process_step(self.update_step(scheduled, output), output)
         # On a GPU: launch step N+1, then collect step N, so the host's work (scheduling, input
         # preparation, detokenization) overlaps the device's. The runner waits for step N first only
-        # where step N+1 needs its tokens on the host (penalties).
+        # where step N+1 needs its tokens on the host (penalties). A step with structured-output rows whose
+        # previous token is still on its way collects step N before it is launched: their matchers take that
+        # token before their masks are filled (the masks themselves fill while step N+1's forward runs).
         launched = None
-        scheduled = self.schedule_step()
         if scheduled is not None:
+            grammar = scheduled.structured_output
+            if grammar is not None and grammar.waits_for_previous_step and self._in_flight is not None:
+                outputs += self._collect()
             pending = self.executor.execute_async(scheduled)
             launched = None if scheduled.dummy else (scheduled, pending)
-        outputs = []
         if self._in_flight is not None:
-            scheduled, pending = self._in_flight
-            output = pending.result()
-            outputs = self.process_step(self.update_step(scheduled, output), output)
+            outputs += self._collect()
         self._in_flight = launched
         return outputs
+
+    def _wait_for_new_grammars(self) -> None:
+        fresh = [grammar for grammar in self.scheduler.grammars_compiling() if not grammar.waited]
+        if fresh:
+            for grammar in fresh:
+                grammar.waited = True
+            wait_for(fresh, NEW_GRAMMAR_WAIT_S)
+
+    def _collect(self) -> list[RequestOutput]:
+        """The outputs of the step in flight (waiting for its tokens)."""
+        (scheduled, pending), self._in_flight = self._in_flight, None
+        output = pending.result()
+        return self.process_step(self.update_step(scheduled, output), output)
+
+    def _grammar_failures(self) -> list[RequestOutput]:
+        """The final outputs of requests whose grammar could not be compiled."""
+        failed = self.scheduler.take_failed()
+        return self.process_step(failed, RunnerOutput()) if failed else []
 
     def schedule_step(self) -> SchedulerOutput | None:
         """The next step plan, or None when there is nothing for the runners to do."""
@@ -330,9 +366,11 @@ class LLMEngine:
             "generation_tokens": self.num_generated_tokens_total,
             **(self.lockstep.stats() if self.lockstep is not None else {}),
             **({"expert_load": load} if (load := self.executor.expert_load()) is not None else {}),
+            **self.structured_output.stats(),
         }
 
     def shutdown(self) -> None:
         """Release the executor's devices and memory; the engine cannot step afterwards."""
         self._in_flight = None  # a launched step refers to the runner
+        self.structured_output.shutdown()
         self.executor.shutdown()

@@ -10,6 +10,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output.params import StructuredOutputError, StructuredOutputsParams
+
+__all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64
@@ -50,6 +54,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # A constraint on the output (JSON schema, regex, choice, grammar); a mapping of its fields is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
@@ -108,6 +114,11 @@ class SamplingParams:
                       "repetition_penalty", "must be a finite number > 0")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             self._require(isinstance(getattr(self, name), bool), name, "must be true or false")
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+            except StructuredOutputError as exc:
+                raise SamplingParamsError(str(exc), exc.param) from None
 
     def check_for_model(self, vocab_size: int) -> None:
         """What depends on the model: token ids inside its vocabulary."""

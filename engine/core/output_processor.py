@@ -98,6 +98,9 @@ class OutputProcessor:
             sample = parent.samples[request.request_id]
             if sample.completion.finished:
                 continue
+            if request.error is not None:  # its grammar failed, or refused a sampled token
+                self._fail(parent, RuntimeError(request.error), results)
+                continue
             try:
                 stop = self._add_tokens(sample, request)
                 if sample.params.logprobs is not None and request.request_id in output.logprobs:

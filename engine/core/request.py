@@ -1,5 +1,5 @@
 """Scheduler-side state of one request: its tokens, how many have KV computed, its KV blocks (per cache
-group) and its state-pool slot."""
+group), its state-pool slot and, for structured output, its grammar matcher."""
 from __future__ import annotations
 
 import enum
@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output.manager import GrammarRequest
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +44,9 @@ class Request:
     max_tokens: int  # already capped by the context length
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    # Structured output: compiled off the step loop; the request is admitted once its matcher is ready. The
+    # matcher takes every output token the scheduler appends (preemption keeps it: the outputs stay).
+    grammar: GrammarRequest | None = None
 
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -55,6 +59,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    error: str | None = None  # why the request failed alone (its grammar), if it did
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

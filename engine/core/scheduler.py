@@ -3,7 +3,9 @@
 Each step serves, in this order: running decodes (a token each), short prefills (running ones, then
 waiting requests admitted in arrival order), then long prefills. When the KV cache is full, the newest
 running request not yet scheduled in the step is preempted: its blocks are freed and it goes back to the
-front of the queue to be recomputed later.
+front of the queue to be recomputed later. A request with structured output waits (keeping its place, not
+holding up the others) until its grammar is compiled; its matcher takes each token it samples, and its
+grammar's end ends it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from engine.core.block_manager import BlockManager, KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -28,9 +31,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | KVCacheManager,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.structured_output = structured_output
+        self.failed: list[Request] = []  # finished because their grammar failed; for the output processor
         # Prefills with more tokens left than this are long (see schedule); default half the budget.
         self.long_prefill_threshold = (config.long_prefill_token_threshold
                                        or max(1, config.max_num_batched_tokens // 2))
@@ -61,6 +67,8 @@ class Scheduler:
                 pass
         self.block_manager.free(request)
         self._forget_on_runners.add(request_id)
+        if request.grammar is not None:
+            request.grammar.cancel()
 
     def abort_requests(self, request_ids) -> None:
         for request_id in request_ids:
@@ -104,12 +112,46 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(out, long_ones=True)
 
+        constrained = []
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                if request.grammar is not None:
+                    constrained.append(request)
                 request.num_pending_tokens += 1  # this step samples its next token
+        if constrained:
+            # A row whose previous token is still being sampled (a step launched ahead) needs it in its
+            # matcher before its mask: the step waits for the previous one (LLMEngine.step).
+            out.structured_output = self.structured_output.step_grammar(
+                [r.request_id for r in constrained], [r.grammar.matcher for r in constrained],
+                waits_for_previous_step=any(r.num_pending_tokens > 1 for r in constrained))
         return out
+
+    # ---- structured output ----------------------------------------------------------------------
+    def grammars_compiling(self) -> list:
+        """The grammars that waiting requests wait for."""
+        return [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.compiled]
+
+    def take_failed(self) -> list[Request]:
+        """Requests finished since the last call because their grammar failed (each with its `error`)."""
+        for request in [r for r in self.waiting if r.grammar is not None and r.grammar.compiled and r.grammar.error]:
+            request.error = request.grammar.error
+            self.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+            self.failed.append(request)
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _advance_grammar(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
+        """The sampled token into the request's matcher: the grammar's end stops the request."""
+        matcher = request.grammar.matcher
+        if not matcher.accept_tokens([token_id]):
+            request.error = (f"the sampled token {token_id} is not allowed by the request's structured-output "
+                             f"grammar: {matcher.error or 'refused'}")
+            return RequestStatus.FINISHED_ABORTED, None
+        if matcher.is_terminated:
+            return RequestStatus.FINISHED_STOPPED, None
+        return None, None
 
     def _schedule_running(self, requests: list[Request], out: SchedulerOutput) -> bool:
         """Schedule running requests in order within the budget. When the KV cache is full, the newest
@@ -155,6 +197,8 @@ class Scheduler:
                 return
             if request.num_pending_tokens or (request.num_tokens > threshold) != long_ones:
                 continue  # preempted while a launched step samples for it; or of the other kind
+            if request.grammar is not None and (not request.grammar.compiled or request.grammar.error):
+                continue  # its grammar is compiling (or failed: take_failed ends it)
             cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_tokens = request.num_tokens - num_cached_tokens
@@ -197,6 +241,8 @@ class Scheduler:
             request.append_token(token_id)
             updated.append(request)
             status, reason = self._check_stop(request, token_id)
+            if status is None and request.grammar is not None:
+                status, reason = self._advance_grammar(request, token_id)
             if status is not None:
                 self.finish_request(request_id, status, reason)
         return updated

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output.manager import StepGrammar
 
 
 @dataclass
@@ -46,6 +47,9 @@ class SchedulerOutput:
     # exchanges pad to it; 0: this step's own count), and whether some DP rank runs it eagerly (then all do).
     ep_num_tokens: int = 0
     ep_eager: bool = False
+    # Structured output: the token masks of the rows that sample under a grammar (filled while the forward
+    # pass runs; a plan sent to other ranks carries them filled).
+    structured_output: StepGrammar | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

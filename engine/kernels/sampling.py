@@ -28,3 +28,24 @@ def step_seed(request_seed: int, output_index: int) -> int:
     value &= (1 << 64) - 1
     value ^= value >> 31
     return value & ((1 << 63) - 1)
+
+
+# 1 << b for the 8 bits of a byte: unpacks a token bitmask a byte at a time.
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf into `logits[i, t]` wherever bit t of `bitmask[i]` is clear (bit t % 32 of int32 word
+    t // 32: llguidance's and xgrammar's layout); a row of -1 words leaves its row as it was, to the bit. Other
+    rows' tokens beyond the mask's 32 * width are masked too. One implementation for every backend: two
+    element-wise ops over the rows. `bitmask` [rows, W] int32 on the logits' device."""
+    num_rows, vocab_size = logits.shape
+    bits = _BYTE_BITS.get(logits.device)
+    if bits is None:
+        bits = _BYTE_BITS[logits.device] = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8).to(logits.device)
+    # Little-endian words: byte k of word j holds tokens 32 j + 8 k .. 32 j + 8 k + 7, bit b token 32 j + 8 k + b.
+    forbidden = ((bitmask.contiguous().view(torch.uint8).unsqueeze(-1) & bits) == 0).view(num_rows, -1)
+    width = min(vocab_size, forbidden.shape[1])
+    logits[:, :width].masked_fill_(forbidden[:, :width], float("-inf"))
+    if width < vocab_size:
+        logits[:, width:].masked_fill_((bitmask != -1).any(dim=1, keepdim=True), float("-inf"))

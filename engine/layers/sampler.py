@@ -1,5 +1,6 @@
-"""Turns the last hidden state's logits into tokens: penalties, min-tokens suppression, the backend's
-sampling kernel, and logprobs of the raw model distribution."""
+"""Turns the last hidden state's logits into tokens: structured-output token masks, penalties, min-tokens
+suppression, the backend's sampling kernel, and logprobs of the model's distribution (after the token masks,
+as vLLM's: a constrained row's logprobs are those of the tokens its grammar allows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from torch import nn
 
 from engine.core.scheduler_output import LogprobsLists
 from engine.kernels import ops
-from engine.kernels.sampling import SamplingTensors
+from engine.kernels.sampling import SamplingTensors, apply_token_bitmask
 from engine.sampling_params import SamplingParams
 
 
@@ -21,11 +22,18 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     suppressed_token_ids: list[list[int]]  # EOS and stop ids while min_tokens is not reached
+    # Structured output: the allowed-token bitmasks [M, ceil(V / 32)] int32 (host) of the rows listed.
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
+
+
+MASKED_LOGPROB = -9999.0
 
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, LogprobsLists | None]:
         raw = logits.float()
+        if batch.token_bitmask is not None:
+            apply_bitmask(raw, *batch.token_bitmask)
         logits = raw
         if any(p.has_penalties for p in batch.params) or any(batch.suppressed_token_ids):
             logits = raw.clone()
@@ -34,6 +42,19 @@ class Sampler(nn.Module):
         num_logprobs = [p.logprobs for p in batch.params if p.logprobs is not None]
         logprobs = compute_logprobs(raw, sampled, max(num_logprobs)) if num_logprobs else None
         return sampled, logprobs
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: the disallowed tokens of `rows` (bitmask row i for logits row rows[i]) to -inf. One op over the
+    span of rows they cover; the free rows inside it get all-ones masks and keep their logits to the bit."""
+    first, last = min(rows), max(rows)
+    if rows != list(range(first, last + 1)):
+        span = torch.full((last + 1 - first, bitmask.shape[1]), -1, dtype=torch.int32)
+        span[torch.tensor(rows) - first] = bitmask
+        bitmask = span
+    if logits.device.type == "cuda":
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    apply_token_bitmask(logits[first:last + 1], bitmask)
 
 
 def sampling_tensors(batch: SamplingBatch, device: torch.device) -> SamplingTensors:
@@ -93,6 +114,8 @@ def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int) -
     token_ids, values = chosen.view(-1, 1), chosen_logprobs
     if num_top > 0:
         top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        # A token a grammar forbids has no probability: OpenAI writes -9999.0 there, not -inf (which JSON lacks).
+        top_values = top_values.clamp(min=MASKED_LOGPROB)
         token_ids = torch.cat((token_ids, top_ids), dim=1)
         values = torch.cat((values, top_values), dim=1)
     return LogprobsLists(token_ids.tolist(), values.tolist(), ranks.tolist())

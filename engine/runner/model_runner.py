@@ -301,6 +301,9 @@ class ModelRunner:
             self.resolve_until(needed)
         host = prepare_host_inputs(self.requests, scheduled.num_scheduled_tokens, self.block_size,
                                    tuple(key[0] for key in self._group_keys))
+        grammar = scheduled.structured_output
+        if grammar is not None:  # structured output: its token masks fill on the host during the forward pass
+            grammar.start()
         hidden = self._forward(host, scheduled)
         if self.expert_load is not None:
             self.expert_load.step()
@@ -311,7 +314,7 @@ class ModelRunner:
             if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # else every row, in order
                 selected = hidden[self._to_device(np.asarray(rows))]
             logits = self.model.compute_logits(selected)
-            sampled, logprobs = self.sampler(logits, self._sampling_batch(host.sampling_requests))
+            sampled, logprobs = self.sampler(logits, self._sampling_batch(host.sampling_requests, grammar))
             self._last_sampled = sampled
             for row, request in enumerate(host.sampling_requests):
                 request.num_pending += 1
@@ -451,7 +454,7 @@ class ModelRunner:
         )
         return self.attn_backend.build_metadata(common, self.block_size)
 
-    def _sampling_batch(self, requests: list[RunnerRequest]) -> SamplingBatch:
+    def _sampling_batch(self, requests: list[RunnerRequest], grammar=None) -> SamplingBatch:
         params, seeds, prompts, outputs, suppressed = [], [], [], [], []
         for request in requests:
             p = request.params
@@ -465,7 +468,8 @@ class ModelRunner:
                 suppressed.append(sorted(set(p.stop_token_ids) | self.eos_token_ids))
             else:
                 suppressed.append([])
-        return SamplingBatch(params, seeds, prompts, outputs, suppressed)
+        bitmask = grammar.rows_for([r.request_id for r in requests]) if grammar is not None else None
+        return SamplingBatch(params, seeds, prompts, outputs, suppressed, bitmask)
 
     def release(self) -> None:
         """Let go of everything this runner holds on its device: the decode graphs, the caches (unbound from
