@@ -23,7 +23,7 @@ from .serving import DONE_EVENT, ChoiceProgress, OutputStream, ServingContext, e
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
     arrival_time = time.monotonic()
     max_tokens = body.requested_max_tokens
-    params = body.to_sampling_params(max_tokens, body.engine_logprobs)
+    params = await body.to_sampling_params_async(max_tokens, body.engine_logprobs)
     async with ctx.admitted(body.model, params.n) as ticket:
         _refuse_media(ctx, body)
         messages = [message.to_template_dict() for message in body.messages]

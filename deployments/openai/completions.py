@@ -28,7 +28,7 @@ class _Prompt:
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Response:
     arrival_time = time.monotonic()
     echo_logprobs = body.logprobs if body.echo else None
-    params = body.to_sampling_params(body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+    params = await body.to_sampling_params_async(body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
     async with ctx.admitted(body.model, len(body.prompts) * params.n) as ticket:
         # Off the event loop: a large prompt must not hold up the other requests' streams.
         prompts = await asyncio.to_thread(_prepare_prompts, ctx, body)

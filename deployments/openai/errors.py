@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.sampling_params import SamplingParamsError
+from engine.structured_output import StructuredOutputError
 
 from .protocol import ErrorInfo, ErrorResponse
 
@@ -78,7 +79,7 @@ def from_exception(exc: BaseException) -> OpenAIError:
     """Map an exception raised while serving a request to the error the client sees."""
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, SamplingParamsError):
+    if isinstance(exc, (SamplingParamsError, StructuredOutputError)):
         return bad_request(str(exc), exc.param)
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc), "prompt")

@@ -5,12 +5,15 @@ values. Fields that OpenAI or vLLM define and this server cannot honour are refu
 field, rather than silently ignored."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
+
+from .structured_output import constraint_sources, request_constraint, request_field
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
@@ -37,9 +40,8 @@ def _unset(value: Any) -> bool:
 # Fields some client may send that this server does not honour, with what counts as leaving them unset.
 _UNSUPPORTED_GENERATION_FIELDS: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _unset,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
-    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
-    "guided_decoding_backend": _unset, "guided_whitespace_pattern": _unset, "structured_outputs": _unset,
+    # Structured output runs on llguidance whatever a client asks for.
+    "guided_decoding_backend": lambda v: v is None or v in ("auto", "guidance", "llguidance"),
     "use_beam_search": lambda v: v is None or v is False,
     "allowed_token_ids": _unset, "bad_words": _unset, "logits_processors": _unset,
     "truncate_prompt_tokens": _unset, "prompt_logprobs": _unset,
@@ -66,6 +68,46 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+class JsonSchemaFormat(_StrictRequest):
+    """OpenAI's `response_format.json_schema`. Output always follows the schema, whatever `strict` says."""
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_StrictRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('response_format of type "json_schema" needs json_schema.schema (a JSON schema object)')
+        return self
+
+
+class StructuredOutputsRequest(_StrictRequest):
+    """vLLM's `structured_outputs` object (the engine's StructuredOutputsParams)."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # there is one library, hence no fallback to disable
+    structural_tag: Any = None
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _no_structural_tag(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported by this server")
+        return value
+
+
 class _GenerationRequest(_StrictRequest):
     """Fields shared by completions and chat completions, OpenAI's and vLLM's extras."""
     model: str | None = None
@@ -88,16 +130,18 @@ class _GenerationRequest(_StrictRequest):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields; at
+    # most one constraint per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # Refused when set (see _UNSUPPORTED_GENERATION_FIELDS).
     logit_bias: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     use_beam_search: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -121,14 +165,26 @@ class _GenerationRequest(_StrictRequest):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def structured_output_sources(self) -> list[tuple[str, dict]]:
+        return constraint_sources(self)
+
     # Where an engine parameter comes from a request field of another name, errors name the request's.
     _PARAM_NAMES: ClassVar[dict[str, str]] = {}
+
+    async def to_sampling_params_async(self, max_tokens: int | None, logprobs: int | None,
+                                       prompt_logprobs: int | None = None) -> SamplingParams:
+        """to_sampling_params, off the event loop when a constraint is checked (milliseconds for large schemas)."""
+        if self.structured_output_sources:
+            return await asyncio.to_thread(self.to_sampling_params, max_tokens, logprobs, prompt_logprobs)
+        return self.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters for this request (max_tokens and logprobs differ per endpoint); its
         bounds are the engine's, and an error names the request's field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        structured_outputs, structured_field = request_constraint(self)
         try:
             return SamplingParams(
                 n=self.n,
@@ -149,8 +205,13 @@ class _GenerationRequest(_StrictRequest):
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured_outputs,
             )
         except SamplingParamsError as exc:
+            if structured_field and (exc.param or "").startswith("structured_outputs"):
+                param = request_field(self, exc.param, structured_field)
+                message = str(exc).replace(exc.param, param) if "." in exc.param else str(exc)
+                raise SamplingParamsError(message, param) from None
             param = self._param_name(exc.param)
             message = str(exc).replace(f"SamplingParams.{exc.param}", param) if param != exc.param else str(exc)
             raise SamplingParamsError(message, param) from None
