@@ -103,7 +103,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 def check_grammar(params: StructuredOutputsParams) -> None:
     """Raises StructuredOutputError naming what is wrong with the constraint, in the library's words. Checks
     are remembered per constraint (a few milliseconds at worst for large schemas; usually under 0.1 ms)."""
-    error = _CHECKED.get_or_make(params.key, lambda: _check(params))
+    error = _CHECKED.get_or_make(params.key, lambda: _check(params)) if params.cacheable else _check(params)
     if error:
         raise StructuredOutputError(error, f"structured_outputs.{params.kind}")
 

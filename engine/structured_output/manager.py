@@ -129,7 +129,7 @@ class StructuredOutputManager:
         if self.tokenizer is None:
             raise StructuredOutputError("structured output needs the model's tokenizer, and this model has none "
                                         "(dummy weights from a bare config)", "structured_outputs")
-        template = self.grammars.get(params.key)
+        template = self.grammars.get(params.key) if params.cacheable else None
         if template is None:
             return GrammarRequest(self._compile_pool.submit(self._new_matcher, params))
         ready = concurrent.futures.Future()
@@ -137,6 +137,8 @@ class StructuredOutputManager:
         return GrammarRequest(ready)
 
     def _new_matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        if not params.cacheable:
+            return GrammarMatcher(self._compile(params))
         template = self.grammars.get_or_make(params.key, lambda: self._compile(params))
         return GrammarMatcher(template.deep_copy())
 

@@ -3,11 +3,15 @@ a regex, one of a list of strings, or a grammar. Checked once at construction, t
 (engine/structured_output/grammar.py), so every door that builds a SamplingParams refuses the same requests."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, fields
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_CHOICES = 1024
+# Constraints longer than this (as text) are checked and compiled each time rather than cached: a cache of a few
+# hundred entries must not hold a few hundred request bodies of megabytes.
+MAX_CACHED_SPEC_CHARS = 1 << 16
 
 
 class StructuredOutputError(ValueError):
@@ -67,7 +71,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return self.kinds[0]
 
-    @property
+    @functools.cached_property
     def spec_text(self) -> str:
         """The constraint as text: the schema's JSON (keys sorted), the regex, the grammar, the choices' JSON."""
         if self.kind == "json":
@@ -81,6 +85,10 @@ class StructuredOutputsParams:
         """What identifies the compiled grammar (its cache key)."""
         return (self.kind, self.spec_text, self.disable_any_whitespace, self.whitespace_pattern,
                 self.disable_additional_properties)
+
+    @property
+    def cacheable(self) -> bool:
+        return len(self.spec_text) <= MAX_CACHED_SPEC_CHARS
 
     def _check_shapes(self) -> None:
         kind = self.kind

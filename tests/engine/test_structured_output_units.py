@@ -130,6 +130,14 @@ def test_each_request_gets_its_own_matcher_from_one_cached_grammar(manager):
     assert first is not second and first.llmatcher is not second.llmatcher
 
 
+def test_a_huge_constraint_is_compiled_but_not_cached(manager):
+    regex = "(" + "|".join(f"option-{i:05d}" for i in range(6000)) + ")"  # about 80 KB of constraint
+    cached = len(manager.grammars)
+    matcher = compiled(manager, regex=regex)
+    assert len(manager.grammars) == cached
+    assert matcher.validate_tokens([]) == 0 and not matcher.is_accepting
+
+
 def test_a_grammar_the_tokenizer_cannot_serve_fails_its_request(manager):
     grammar = manager.request(StructuredOutputsParams(grammar='start: "a" <|no_such_token|>'))
     with pytest.raises(StructuredOutputError, match="no_such_token"):
