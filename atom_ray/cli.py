@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer <key>' on every /v1/ route (default: the "
                        "ATOM_RAY_API_KEY environment variable; none: no key)")
+    serve.add_argument("--tool-call-parser", default="auto",
+                       help="how chat completions read tool calls (tool_choice auto) from the model's text: vLLM's "
+                       "parser names (hermes, llama3_json, qwen3_coder, deepseek_v3, deepseek_v31, deepseek_v32, "
+                       "kimi_k2, glm45, glm47, minimax_m2, openai); auto: the model's own (default); none: off")
+    serve.add_argument("--reasoning-parser", default="auto",
+                       help="how chat completions split reasoning_content from the answer: deepseek_r1, "
+                       "deepseek_v3, qwen3, glm45, minimax_m2, kimi_k2, openai; auto: the model's own (default); "
+                       "none: off")
     add_engine_arguments(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -103,7 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app_args = {"model": args.model, "served_model_name": args.served_model_name,
                 "engine_args": engine_kwargs_from_args(args), "cpus_per_rank": args.cpus_per_rank,
                 "gpus_per_rank": args.gpus_per_rank, "max_pending_sequences": args.max_pending_sequences,
-                "api_key": args.api_key}
+                "api_key": args.api_key, "tool_call_parser": args.tool_call_parser,
+                "reasoning_parser": args.reasoning_parser}
     return serve_until_interrupted(options, app_args)
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any, AsyncIterator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 
 from engine.config import EngineConfig
@@ -18,6 +18,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 from atom_ray.serving import API_KEY_ENV, exposure_warning
+from deployments.openai.chat_output import check_parser_names
 from deployments.openai.guard import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,17 @@ class AppConfig(BaseModel):
     require_api_key: bool = False
     # Failed engine restarts in a row before the replica reports itself unhealthy (Serve then replaces it).
     max_engine_restarts: int = Field(default=5, ge=0)
+    # How /v1/chat/completions reads tool calls (tool_choice auto) and reasoning out of the model's text: vLLM's
+    # parser names (hermes, qwen3_coder, deepseek_v3, kimi_k2, glm45, openai, ...; docs/AGENTIC.md), "auto" for
+    # the model's own (from its config and chat template), "none" for plain text.
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     deployment_config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_parsers(self) -> "AppConfig":
+        check_parser_names(self.tool_call_parser, self.reasoning_parser)
+        return self
 
     @property
     def name(self) -> str:
@@ -88,7 +99,20 @@ class OpenAIServer:
     def __serve_build_asgi_app__(self):
         from deployments.openai.app import build_openai_app
         return build_openai_app(self.engine, self.config.name, self.config.max_pending_sequences, self.api_key,
-                                self.config.max_request_body_bytes)
+                                self.config.max_request_body_bytes, tool_call_parser=self.config.tool_call_parser,
+                                reasoning_parser=self.config.reasoning_parser, model_config=self._model_config())
+
+    def _model_config(self):
+        """The model's HF config, from which the "auto" parsers are chosen (None: no parser is chosen)."""
+        if "auto" not in (self.config.tool_call_parser, self.config.reasoning_parser):
+            return None
+        from engine.loader import resolve_model
+        args = self.config.engine_args
+        try:
+            return resolve_model(self.config.model, args.get("load_format", "auto"), args.get("hf_overrides")).hf_config
+        except Exception as exc:  # the engine read it already; a failure here costs the auto choice only
+            logger.warning("no model config for the auto tool-call and reasoning parsers: %s", exc)
+            return None
 
     async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
         """For handle calls: {"prompt": str | [ids]} or {"messages": [...]}, plus SamplingParams fields.

@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .chat import create_chat_completion
+from .chat_output import ChatParsers
 from .completions import create_completion
 from .errors import engine_unavailable, install_error_handlers
 from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuard
@@ -18,16 +19,22 @@ from .streams import Admission, resolve
 
 
 def build_openai_app(client, served_model_name: str, max_pending_sequences: int = 256, api_key: str | None = None,
-                     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+                     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, tool_call_parser: str = "auto",
+                     reasoning_parser: str = "auto", model_config=None) -> FastAPI:
     """`client` offers AsyncLLM's interface: generate(prompt, params, request_id), abort(request_id), stats(),
     tokenizer, max_model_len, is_healthy. At most `max_pending_sequences` sequences (prompts x n) are in
     flight; a request past that gets 429 with Retry-After, one that could never fit 400. With `api_key`,
-    every /v1/ route needs `Authorization: Bearer <api_key>`; /health and /metrics stay open."""
+    every /v1/ route needs `Authorization: Bearer <api_key>`; /health and /metrics stay open. `tool_call_parser`
+    and `reasoning_parser` name how chat completions read tool calls and reasoning from the output ("auto": the
+    model's own, from `model_config` (its HF config) and the tokenizer's chat template; "none": off)."""
     if max_pending_sequences < 1:
         raise ValueError(f"max_pending_sequences must be at least 1 (got {max_pending_sequences})")
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be at least 1 (got {max_request_body_bytes})")
     ctx = ServingContext(client, served_model_name, AppMetrics(), Admission(max_pending_sequences))
+    chat_template = getattr(getattr(getattr(client, "tokenizer", None), "hf", None), "chat_template", None)
+    parsers = ChatParsers.resolve(tool_call_parser, reasoning_parser, model_config,
+                                  chat_template if isinstance(chat_template, str) else None)
     ctx.metrics.track_admission(lambda: ctx.admission.in_flight)
     # strict_content_type=False: a JSON body without a Content-Type header (curl -d ...) still parses.
     app = FastAPI(title="atom-ray OpenAI-compatible API", strict_content_type=False)
@@ -41,7 +48,7 @@ def build_openai_app(client, served_model_name: str, max_pending_sequences: int 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await run_guarded(create_chat_completion(ctx, body, raw_request))
+        return await run_guarded(create_chat_completion(ctx, body, raw_request, parsers))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions: messages through the model's chat template to assistant replies, whole or
-streamed as chat.completion.chunk events."""
+"""POST /v1/chat/completions: messages (and tools) through the model's chat template to assistant replies, whole
+or streamed as chat.completion.chunk events; tool calls and reasoning read from the output (chat_output.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,30 +13,40 @@ from fastapi.responses import Response
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
 
+from .chat_output import ChatOutputReader, ChatParsers
 from .errors import bad_request
 from .logprobs import chat_logprobs
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, DeltaMessage, UsageInfo)
 from .serving import DONE_EVENT, ChoiceProgress, OutputStream, ServingContext, error_event, sse_event
+from .tool_calls import forced_params, plan_tools, render_prompt, template_kwargs, template_messages
 
 
-async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request) -> Response:
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request,
+                                 parsers: ChatParsers | None = None) -> Response:
     arrival_time = time.monotonic()
     max_tokens = body.requested_max_tokens
     params = await body.to_sampling_params_async(max_tokens, body.engine_logprobs)
+    tools = plan_tools(body)
+    if tools.constraint is not None:  # the schema's check may take milliseconds: off the event loop
+        params = await asyncio.to_thread(forced_params, params, tools)
     async with ctx.admitted(body.model, params.n) as ticket:
         _refuse_media(ctx, body)
-        messages = [message.to_template_dict() for message in body.messages]
+        messages = template_messages(body.messages)
+        kwargs = template_kwargs(tools, body.chat_template_kwargs)
+        tokenizer = ctx.client.tokenizer
         try:  # off the event loop: templating and tokenizing a long conversation must not stall other streams
-            token_ids = await asyncio.to_thread(ctx.client.tokenizer.encode_chat, messages)
+            prompt, token_ids = await asyncio.to_thread(render_prompt, tokenizer, messages, kwargs)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), "messages") from None
         if not token_ids:
             raise bad_request("The messages render to an empty prompt", "messages")
         ctx.check_context(len(token_ids), max_tokens, "messages",
                           "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        response = _ChatResponder(ctx, body, len(token_ids), f"chatcmpl-{uuid.uuid4().hex}")
-        return await ctx.run(ticket, raw_request, arrival_time, [token_ids], params, response.id, body.stream,
+        reader = ChatOutputReader(parsers or ChatParsers(), tools, params, tokenizer, prompt,
+                                  body.chat_template_kwargs)
+        response = _ChatResponder(ctx, body, len(token_ids), f"chatcmpl-{uuid.uuid4().hex}", reader)
+        return await ctx.run(ticket, raw_request, arrival_time, [token_ids], reader.params, response.id, body.stream,
                              response.full, response.events)
 
 
@@ -50,8 +60,9 @@ def _refuse_media(ctx: ServingContext, body: ChatCompletionRequest) -> None:
 
 class _ChatResponder:
     def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, num_prompt_tokens: int,
-                 response_id: str) -> None:
+                 response_id: str, reader: ChatOutputReader) -> None:
         self.ctx = ctx
+        self.reader = reader
         self.body = body
         self.num_prompt_tokens = num_prompt_tokens
         self.id = response_id
@@ -65,10 +76,16 @@ class _ChatResponder:
 
     def full(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
         (output,) = finals
-        choices = [ChatChoice(index=completion.index, message=AssistantMessage(content=completion.text),
-                              logprobs=self._logprobs(completion.logprobs, completion.token_ids),
-                              finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
-                   for completion in output.outputs]
+        choices = []
+        for completion in output.outputs:
+            message, finish_reason = AssistantMessage(content=completion.text), completion.finish_reason
+            if self.reader.active:
+                parts, finish_reason = self.reader.message(completion)
+                message = AssistantMessage(content=parts.content, reasoning_content=parts.reasoning_content,
+                                           tool_calls=parts.tool_calls)
+            choices.append(ChatChoice(index=completion.index, message=message,
+                                      logprobs=self._logprobs(completion.logprobs, completion.token_ids),
+                                      finish_reason=finish_reason, stop_reason=completion.stop_reason))
         num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         usage = UsageInfo.of(self.num_prompt_tokens, num_completion_tokens)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.ctx.served_model_name,
@@ -109,8 +126,13 @@ class _ChatResponder:
             logprobs = self._logprobs(progress.new_logprobs(completion), new_token_ids)
         progress.sent_tokens += len(new_token_ids)
         progress.done = completion.finished
-        text = completion.new_text
-        if not text and not completion.finished and logprobs is None:
-            return None  # tokens whose text is held back (a possible stop string, a partial character)
-        return ChatChunkChoice(index=completion.index, delta=DeltaMessage(content=text or None), logprobs=logprobs,
-                               finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        delta, finish_reason = DeltaMessage(content=completion.new_text or None), completion.finish_reason
+        if self.reader.active:
+            parts, called = self.reader.delta(completion)
+            finish_reason = self.reader.finish_reason(finish_reason, called)
+            delta = DeltaMessage() if parts is None else DeltaMessage(
+                content=parts.content, reasoning_content=parts.reasoning_content, tool_calls=parts.tool_calls)
+        if delta == DeltaMessage() and not completion.finished and logprobs is None:
+            return None  # text held back (a possible stop string, a partial character, a parser's marker)
+        return ChatChunkChoice(index=completion.index, delta=delta, logprobs=logprobs,
+                               finish_reason=finish_reason, stop_reason=completion.stop_reason)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
 from .structured_output import constraint_sources, request_constraint, request_field
+from .tool_protocol import ChatTool, DeltaToolCall, MessageToolCall, ToolCall, ToolChoice
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
@@ -47,12 +48,10 @@ _UNSUPPORTED_GENERATION_FIELDS: dict[str, Callable[[Any], bool]] = {
     "truncate_prompt_tokens": _unset, "prompt_logprobs": _unset,
 }
 _UNSUPPORTED_CHAT_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "tools": _unset,
-    "tool_choice": lambda v: v is None or v in ("none", "auto"),
     "functions": _unset, "function_call": lambda v: v is None or v in ("none", "auto"),
     "echo": lambda v: v is None or v is False, "continue_final_message": lambda v: v is None or v is False,
     "add_generation_prompt": lambda v: v is None or v is True,
-    "chat_template": _unset, "chat_template_kwargs": _unset, "documents": _unset,
+    "chat_template": _unset, "documents": _unset,
     "modalities": lambda v: v is None or v == ["text"], "audio": _unset, "prediction": _unset,
 }
 
@@ -298,6 +297,9 @@ class ChatMessage(_StrictRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, for templates that keep it
 
     @field_validator("content", mode="before")
     @classmethod
@@ -334,16 +336,18 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (checked further in tool_calls.py) and the chat template's extra variables.
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Refused when set (see _UNSUPPORTED_CHAT_FIELDS).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     echo: Any = None
     continue_final_message: Any = None
     add_generation_prompt: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     documents: Any = None
     modalities: Any = None
     audio: Any = None
@@ -447,6 +451,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -469,6 +475,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

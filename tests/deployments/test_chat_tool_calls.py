@@ -113,6 +113,22 @@ def test_parser_names_are_checked_at_start_up():
         ChatParsers.resolve("auto", "deepseek")
 
 
+def test_app_args_refuse_an_unknown_parser_naming_it():
+    from deployments.serve_app import build_app
+    with pytest.raises(ValueError, match="(?s)invalid atom-ray app args.*unknown reasoning_parser 'qwen'"):
+        build_app({"reasoning_parser": "qwen"})
+
+
+def test_serve_flags_reach_the_app_args(monkeypatch):
+    from atom_ray import cli
+    seen = {}
+    monkeypatch.setattr("atom_ray.serving.serve_until_interrupted", lambda options, app_args: seen.update(app_args))
+    cli.main(["serve", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "none"])
+    assert (seen["tool_call_parser"], seen["reasoning_parser"]) == ("qwen3_coder", "none")
+    cli.main(["serve"])
+    assert (seen["tool_call_parser"], seen["reasoning_parser"]) == ("auto", "auto")
+
+
 def test_auto_parsers_come_from_the_model_and_none_turns_them_off():
     qwen3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     assert ChatParsers.resolve("auto", "auto", qwen3, "<tool_call>") == ChatParsers(

@@ -69,7 +69,10 @@ BAD_REQUESTS = [
     ("logprobs an integer in chat", CHAT, chat(logprobs=3), 400, "logprobs"),
     ("max_completion_tokens 0", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("n too large", CHAT, chat(n=1000), 400, "n"),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tools with an invalid schema", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objekt"}}}]), 400, "tools.0.function.parameters"),
+    ("tools repeating a name", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), 400,
+     "tools.1.function.name"),
     ("unknown model in chat", CHAT, chat(model="gpt-9"), 404, "does not exist"),
 ]
 
@@ -168,9 +171,11 @@ KNOWN_KILLERS = [
     ("two constraints", CHAT, chat(response_format={"type": "json_object"}, guided_regex="a+"), 400, "guided_regex"),
     ("response_format json_schema without a schema", COMPLETIONS, completion(response_format={"type": "json_schema"}),
      400, "response_format"),
-    ("tool_choice required", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
-    ("tool_choice a function", CHAT, chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400,
-     "tool_choice"),
+    ("tool_choice required without tools", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("tool_choice a function without tools", CHAT, chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+     400, "tool_choice"),
+    ("tool result answering no call", CHAT,
+     chat(messages=USER + [{"role": "tool", "tool_call_id": "x", "content": "1"}]), 400, "messages.1.tool_call_id"),
     ("use_beam_search", COMPLETIONS, completion(use_beam_search=True), 400, "use_beam_search"),
     ("prompt_logprobs", COMPLETIONS, completion(prompt_logprobs=1), 400, "prompt_logprobs"),
     ("continuous usage stats", COMPLETIONS, completion(stream=True, stream_options={"continuous_usage_stats": True}),

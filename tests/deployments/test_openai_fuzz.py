@@ -92,6 +92,8 @@ COMPLETION_FIELDS = [
     {"best_of": HUGE},
     {"suffix": "\ud800"},
 ]
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
 CHAT_FIELDS = [
     {"messages": [{"role": "user", "content": "\ud800"}]},
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
@@ -109,6 +111,23 @@ CHAT_FIELDS = [
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
     {"response_format": {"type": None}},
     {"response_format": {}},
+    {"tools": [WEATHER_TOOL], "tool_choice": "required"},
+    {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "stream": True},
+    {"tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False, "n": 2, "stream": True},
+    {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "\ud800"}}},
+    {"tools": [{"type": "function", "function": {"name": "\ud800"}}], "tool_choice": "required"},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": 5}}}]},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"enum": ["\ud800"]}}}}}], "tool_choice": "required"},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}}}], "tool_choice": "required"},
+    {"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "\ud800", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+        {"role": "tool", "tool_call_id": "\ud800", "content": "x"}]},
+    {"messages": [{"role": "tool", "tool_call_id": "nope", "content": "x"}]},
+    {"chat_template_kwargs": {"tokenize": True}},
+    {"chat_template_kwargs": {"enable_thinking": False, "x": [math.nan, HUGE]}},
 ]
 CHEAP_REQUESTS = {
     "/v1/completions": ({"model": MODEL, "prompt": "Hello", "max_tokens": 4}, COMPLETION_FIELDS),
