@@ -69,7 +69,19 @@ def without_additional_properties(schema):
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar for `params` (not yet checked: see `check_grammar`)."""
+    """The llguidance grammar for `params` (not yet checked: see `check_grammar`). Whatever the library
+    cannot take (a value it cannot serialize, such as a lone surrogate in a schema) is a StructuredOutputError
+    naming the field, never a bare ValueError."""
+    try:
+        return _grammar_text(params)
+    except StructuredOutputError:
+        raise
+    except ValueError as exc:
+        raise StructuredOutputError(f"structured_outputs.{params.kind} cannot be used: {exc}",
+                                    f"structured_outputs.{params.kind}") from None
+
+
+def _grammar_text(params: StructuredOutputsParams) -> str:
     from llguidance import LLMatcher, grammar_from
     kind = params.kind
     if kind in ("json", "json_object"):

@@ -148,6 +148,9 @@ def completion_body(**fields) -> dict:
     ("/v1/completions", completion_body(structured_outputs={"structural_tag": "{}"}),
      "structured_outputs.structural_tag", "not supported"),
     ("/v1/chat/completions", chat_body(response_format={"type": "json_schema"}), "response_format", "schema"),
+    ("/v1/chat/completions",  # a lone surrogate the grammar library cannot serialize: a 400, not a 500
+     chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+         "type": "string", "enum": ["\ud800"]}}}), "response_format.json_schema.schema", "not JSON serializable"),
 ])
 def test_a_bad_constraint_gets_a_400_naming_the_field(server, path, body, param, words):
     error = error_of(server.post(path, json=body))
