@@ -171,8 +171,9 @@ def hf_model(model: str):
     return hf
 
 
-def hf_decode_rate(model: str, prompt: list[int], new_tokens: int) -> float:
-    hf = hf_model(model)
+def hf_decode_rate(model: str, prompt: list[int], new_tokens: int, hf=None) -> float:
+    """transformers' batch-1 decode tokens/s: `model`'s (or the given `hf` model's), which is freed after."""
+    hf = hf if hf is not None else hf_model(model)
     ids = torch.tensor([prompt], device="cuda")
 
     def run(n):

@@ -9,13 +9,7 @@
 set -u
 OUT=${OUT:-/tmp/multi_gpu_out}
 PART=${PART:-1}
-mkdir -p "$OUT"
-run() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local start=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/steps.txt"
-}
+. "$(dirname "$0")/steps.sh"
 M="python3 -m benchmarks.multi_gpu"
 if [ "$PART" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1

@@ -169,7 +169,7 @@ def hf_model(name: str):
 
 def latency(args) -> dict:
     from benchmarks.device_limits import measure_bandwidth
-    from benchmarks.gpu_perf import decode_rate, free_gpu, random_prompts
+    from benchmarks.gpu_perf import decode_rate, free_gpu, hf_decode_rate, random_prompts
     bandwidth = measure_bandwidth()
     results = {}
     for name in args.models.split(","):
@@ -184,33 +184,13 @@ def latency(args) -> dict:
         results[name] = {"tok_s": ours, "cuda_graphs": graphs, "roofline_tok_s": bandwidth / moved["total"],
                          "of_roofline": ours * moved["total"] / bandwidth, "bytes_per_step": moved}
         if not args.skip_hf:
-            results[name]["hf_tok_s"] = hf_generate_rate(name, prompt, 256)
+            results[name]["hf_tok_s"] = hf_decode_rate(name, prompt, 256, hf=hf_model(name))
         print(name, {k: v for k, v in results[name].items() if k != "bytes_per_step"}, flush=True)
     print_table(["decode b=1", "tok/s", "of roofline", "vs transformers", "graphs"], [
         (n, f"{r['tok_s']:.1f}", f"{r['of_roofline']:.3f}",
          f"{r['tok_s'] / r['hf_tok_s']:.1f}x" if r.get("hf_tok_s") else "-", str(r["cuda_graphs"]))
         for n, r in results.items()])
     return {"bandwidth_Bps": bandwidth, "models": results}
-
-
-def hf_generate_rate(name: str, prompt: list[int], new_tokens: int) -> float:
-    from benchmarks.gpu_perf import free_gpu
-    hf = hf_model(name)
-    ids = torch.tensor([prompt], device="cuda")
-
-    def run(n):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    run(4)
-    rate = new_tokens / (min(run(new_tokens + 1) for _ in range(2)) - min(run(1) for _ in range(2)))
-    del hf
-    free_gpu()
-    return rate
 
 
 def throughput(args) -> dict:
