@@ -12,6 +12,8 @@ from .chat_output import ChatParsers
 from .completions import create_completion
 from .errors import engine_unavailable, install_error_handlers
 from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuard
+from .messages import MessagesRoute, create_message
+from .messages_protocol import MessagesRequest, error_body
 from .metrics import AppMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import ServingContext, run_guarded
@@ -24,9 +26,10 @@ def build_openai_app(client, served_model_name: str, max_pending_sequences: int 
     """`client` offers AsyncLLM's interface: generate(prompt, params, request_id), abort(request_id), stats(),
     tokenizer, max_model_len, is_healthy. At most `max_pending_sequences` sequences (prompts x n) are in
     flight; a request past that gets 429 with Retry-After, one that could never fit 400. With `api_key`,
-    every /v1/ route needs `Authorization: Bearer <api_key>`; /health and /metrics stay open. `tool_call_parser`
-    and `reasoning_parser` name how chat completions read tool calls and reasoning from the output ("auto": the
-    model's own, from `model_config` (its HF config) and the tokenizer's chat template; "none": off)."""
+    every /v1/ route needs `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (as Anthropic's clients
+    send it); /health and /metrics stay open. `tool_call_parser` and `reasoning_parser` name how chat completions
+    (and /v1/messages, which runs on them) read tool calls and reasoning from the output ("auto": the model's
+    own, from `model_config` (its HF config) and the tokenizer's chat template; "none": off)."""
     if max_pending_sequences < 1:
         raise ValueError(f"max_pending_sequences must be at least 1 (got {max_pending_sequences})")
     if max_request_body_bytes < 1:
@@ -38,7 +41,8 @@ def build_openai_app(client, served_model_name: str, max_pending_sequences: int 
     ctx.metrics.track_admission(lambda: ctx.admission.in_flight)
     # strict_content_type=False: a JSON body without a Content-Type header (curl -d ...) still parses.
     app = FastAPI(title="atom-ray OpenAI-compatible API", strict_content_type=False)
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_body_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_body_bytes,
+                       error_bodies={"/v1/messages": error_body})
     install_error_handlers(app)
     app.state.serving = ctx
 
@@ -49,6 +53,12 @@ def build_openai_app(client, served_model_name: str, max_pending_sequences: int 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await run_guarded(create_chat_completion(ctx, body, raw_request, parsers))
+
+    async def messages(body: MessagesRequest, raw_request: Request) -> Response:
+        return await create_message(ctx, body, raw_request, parsers)
+
+    # Anthropic's Messages API, over the chat path, with Anthropic's error bodies (MessagesRoute).
+    app.router.add_api_route("/v1/messages", messages, methods=["POST"], route_class_override=MessagesRoute)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -1,6 +1,7 @@
-"""Fuzzing the OpenAI routes with cases schemathesis generates from the app's own /openapi.json, sent over real
-HTTP to the real engine: whatever a client sends, the answer is a success or a 4xx in OpenAI's error format,
-never a 5xx, and afterwards the engine still serves, idle with every KV block free."""
+"""Fuzzing the OpenAI routes (and Anthropic's /v1/messages) with cases schemathesis generates from the app's own
+/openapi.json, sent over real HTTP to the real engine: whatever a client sends, the answer is a success or a 4xx
+in the route's error format (OpenAI's; Anthropic's on /v1/messages), never a 5xx, and afterwards the engine
+still serves, idle with every KV block free."""
 from __future__ import annotations
 
 import copy
@@ -129,13 +130,51 @@ CHAT_FIELDS = [
     {"chat_template_kwargs": {"tokenize": True}},
     {"chat_template_kwargs": {"enable_thinking": False, "x": [math.nan, HUGE]}},
 ]
+ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+CALLED = [{"role": "user", "content": "hi"},
+          {"role": "assistant", "content": [{"type": "tool_use", "id": "\ud800", "name": "f", "input": {}}]}]
+MESSAGES_FIELDS = [
+    {"messages": [{"role": "user", "content": "\ud800"}]},
+    {"messages": [{"role": "user", "content": []}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800", "cache_control": "\ud800"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image", "source": {"data": "\ud800"}}]}]},
+    {"messages": [{"role": "assistant", "content": "The capital is"}]},
+    {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "\ud800", "content": "x"}]}]},
+    {"messages": CALLED + [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "\ud800", "content": [{"type": "text", "text": "\ud800"}],
+         "is_error": True}]}]},
+    {"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "\ud800", "signature": 5}]}]},
+    {"system": "\ud800"},
+    {"system": [{"type": "text", "text": "\ud800"}]},
+    {"system": []},
+    {"stop_sequences": ["\ud800", ""]},
+    {"stop_sequences": []},
+    {"stream": True, "stop_sequences": ["\ud800"]},
+    {"metadata": {"user_id": "\ud800"}},
+    {"tools": []},
+    {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}},
+    {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}, "stream": True},
+    {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "stream": True},
+    {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "\ud800"}},
+    {"tools": [{"name": "\ud800", "input_schema": {}}], "tool_choice": {"type": "any"}},
+    {"tools": [{"name": "f", "input_schema": {"$schema": 5}}]},
+    {"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "("}}}}], "tool_choice": {"type": "any"}},
+    {"tool_choice": {"type": "any"}},
+    {"thinking": {"type": "enabled", "budget_tokens": HUGE}},
+    {"thinking": {"type": "disabled"}, "stream": True},
+]
 CHEAP_REQUESTS = {
     "/v1/completions": ({"model": MODEL, "prompt": "Hello", "max_tokens": 4}, COMPLETION_FIELDS),
     "/v1/chat/completions": ({"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
                              CHAT_FIELDS),
+    "/v1/messages": ({"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
+                     MESSAGES_FIELDS),
 }
 ERROR_FIELDS = {"message", "type", "param", "code"}
 SERVER_ERROR_TYPES = {"internal_server_error", "service_unavailable_error"}
+MESSAGES_ROUTE = "/v1/messages"  # Anthropic's error body and events
+ANTHROPIC_SERVER_ERROR_TYPES = {"api_error", "overloaded_error"}
 
 
 def _add_hostile_examples(context, examples: list) -> None:
@@ -195,7 +234,7 @@ class ServerErrorResponse(AssertionError):
 
 
 class MalformedResponse(AssertionError):
-    """A 4xx without OpenAI's error body, or a stream that does not end with [DONE]."""
+    """A 4xx without the route's error body, or a stream that does not end as the route's streams end."""
 
 
 class EngineDied(AssertionError):
@@ -228,6 +267,31 @@ def check_error_body(body: bytes) -> None:
     assert isinstance(error["type"], str) and error["type"]
     assert error["param"] is None or isinstance(error["param"], str)
     assert error["code"] is None or isinstance(error["code"], str)
+
+
+def check_anthropic_error_body(body: bytes) -> None:
+    """Anthropic's error body: {"type": "error", "error": {"type": ..., "message": ...}}."""
+    body = json.loads(body)
+    assert body["type"] == "error", f"type {body['type']!r}, expected 'error'"
+    error = body["error"]
+    assert set(error) == {"type", "message"}, f"error fields {sorted(error)}, expected ['message', 'type']"
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+
+
+def anthropic_stream_server_error(body: bytes) -> dict | None:
+    """The server error inside a complete stream of Anthropic's events, if any; a stream that does not start with
+    message_start and end with message_stop (or an error event) raises."""
+    events = []
+    for block in body.decode().split("\n\n"):
+        if block:
+            name, data = block.split("\n", 1)
+            events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    assert events and events[0][0] == "message_start", f"the stream does not start with message_start: {events[:2]}"
+    assert events[-1][0] in ("message_stop", "error"), f"the stream does not end with message_stop: {events[-3:]}"
+    assert all(name == payload["type"] for name, payload in events)
+    last = events[-1][1]
+    return last["error"] if last["type"] == "error" and last["error"]["type"] in ANTHROPIC_SERVER_ERROR_TYPES else None
 
 
 def stream_server_error(body: bytes) -> dict | None:
@@ -289,17 +353,18 @@ def send_and_check(case, base_url: str, engine_watch: EngineWatch) -> None:
     if status >= 500:
         message = _error_message(response.content)
         raise failure(ServerErrorResponse, _server_error_cause(status, message), f"A server error: {answer}")
+    anthropic = case.operation.path == MESSAGES_ROUTE
     if status >= 400:
         try:
-            check_error_body(response.content)
+            (check_anthropic_error_body if anthropic else check_error_body)(response.content)
         except (AssertionError, ValueError, KeyError, TypeError) as exc:
-            raise MalformedResponse(f"Not OpenAI's error body ({exc!r}): {answer}") from None
+            raise MalformedResponse(f"Not the route's error body ({exc!r}): {answer}") from None
     elif content_type.startswith("text/event-stream"):
         if response.stream_cut_short:
             raise MalformedResponse(f"The stream was not read to its end: {answer}")
         try:
-            error = stream_server_error(response.content)
-        except (AssertionError, ValueError, AttributeError) as exc:
+            error = (anthropic_stream_server_error if anthropic else stream_server_error)(response.content)
+        except (AssertionError, ValueError, AttributeError, KeyError, TypeError) as exc:
             raise MalformedResponse(f"A broken event stream ({exc!r}): {answer}") from None
         if error is not None:
             cause = "stream " + _server_error_cause(500, error["message"])
@@ -333,6 +398,7 @@ def with_server_limits(openapi: dict) -> dict:
         properties = models[model]["properties"]
         properties["model"]["anyOf"] = [{"enum": [MODEL]}, {"type": "null"}]
         properties["stop_token_ids"]["anyOf"] = [{"type": "array", "items": token_id}, {"type": "null"}]
+    models["MessagesRequest"]["properties"]["model"] = {"enum": [MODEL]}
     return openapi
 
 
