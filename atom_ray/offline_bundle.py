@@ -24,12 +24,15 @@ from pathlib import Path
 PACKAGES = [
     "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
     "annotated-doc", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py", "opentelemetry-api",
+    "llguidance",  # structured output (a main dependency the engine imports only when a request asks for it)
 ]
 # Parts of the Ray wheel that serving never imports (Java, the dashboard's web build, the ML libraries).
 PRUNED = ["ray/jars", "ray/dashboard/client/build", "ray/rllib", "ray/tune", "ray/train", "ray/data", "ray/air",
           "ray/llm", "ray/serve/llm", "ray/util/dask", "ray/util/spark", "ray/workflow"]
 PROJECT_PACKAGES = ["engine", "atom_ray", "deployments", "benchmarks"]
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
+# llguidance's wheels are manylinux_2_31 (glibc 2.31 and later, as the GPU hosts' images are).
+PLATFORMS = ["manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64"]
 
 
 def download_wheels(target: Path, python_version: str, ray_version: str, grpcio_version: str,
