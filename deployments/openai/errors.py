@@ -91,7 +91,7 @@ def from_exception(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "The request body is invalid", None
@@ -113,7 +113,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return bad_request(message, param).response()
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

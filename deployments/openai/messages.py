@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import create_chat_completion
 from .chat_output import ChatParsers
-from .errors import _validation_message, from_exception
+from .errors import from_exception, validation_message
 from .messages_protocol import (MEDIA_BLOCK_TYPES, InputMessage, MessagesError, MessagesRequest, TextBlock,
                                 ToolResultBlock, ToolUseBlock, invalid_request)
 from .messages_stream import MessagesResponse, MessageTranslator
@@ -92,7 +92,7 @@ class ChatTranslation:
         try:
             return ChatCompletionRequest.model_validate(request)
         except ValidationError as exc:
-            message, param = _validation_message(RequestValidationError(exc.errors()))
+            message, param = validation_message(RequestValidationError(exc.errors()))
             raise self.error(MessagesError(400, message), param) from None
 
     # ---- the conversation -------------------------------------------------------------------------------
@@ -271,5 +271,5 @@ def validation_error(exc: RequestValidationError) -> MessagesError:
     if unknown:
         return invalid_request(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
                                "not a Messages API field that this server takes", unknown[0])
-    message, param = _validation_message(exc)
+    message, param = validation_message(exc)
     return invalid_request(message.removeprefix("Invalid request: "), param)
