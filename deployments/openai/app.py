@@ -15,7 +15,8 @@ from .guard import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuard
 from .messages import MessagesRoute, create_message
 from .messages_protocol import MessagesRequest, error_body
 from .metrics import AppMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses import ModelCard, ModelList
 from .serving import ServingContext, run_guarded
 from .streams import Admission, resolve
 

@@ -16,8 +16,9 @@ from engine.outputs import CompletionOutput, RequestOutput
 from .chat_output import ChatOutputReader, ChatParsers
 from .errors import bad_request
 from .logprobs import chat_logprobs
-from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatLogprobs, DeltaMessage, UsageInfo)
+from .protocol import ChatCompletionRequest
+from .responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                        ChatLogprobs, DeltaMessage, UsageInfo)
 from .serving import DONE_EVENT, ChoiceProgress, OutputStream, ServingContext, error_event, sse_event
 from .tool_calls import forced_params, plan_tools, render_prompt, template_kwargs, template_messages
 

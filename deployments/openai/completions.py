@@ -15,7 +15,8 @@ from engine.outputs import CompletionOutput, RequestOutput
 
 from .errors import bad_request
 from .logprobs import CompletionLogprobsBuilder
-from .protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageInfo
+from .protocol import CompletionRequest
+from .responses import CompletionChoice, CompletionChunk, CompletionResponse, UsageInfo
 from .serving import DONE_EVENT, ChoiceProgress, OutputStream, ServingContext, error_event, sse_event
 
 

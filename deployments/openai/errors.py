@@ -15,7 +15,7 @@ from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedErr
 from engine.sampling_params import SamplingParamsError
 from engine.structured_output import StructuredOutputError
 
-from .protocol import ErrorInfo, ErrorResponse
+from .responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.outputs import Logprob, PositionLogprobs
 
-from .protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from .responses import CompletionLogprobs, TokenLogprob, TopLogprob
 
 # JSON has no -inf; a token the sampler masked out reports this instead.
 MIN_LOGPROB = -9999.0
