@@ -36,7 +36,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.structured_output = structured_output
-        self.failed: list[Request] = []  # finished because their grammar failed; for the output processor
+        self.num_constrained = 0  # unfinished requests with a grammar: none, and no step scans for them
         # Prefills with more tokens left than this are long (see schedule); default half the budget.
         self.long_prefill_threshold = (config.long_prefill_token_threshold
                                        or max(1, config.max_num_batched_tokens // 2))
@@ -51,6 +51,7 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_constrained += request.grammar is not None
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str | int | None = None) -> None:
         request = self.requests.pop(request_id, None)
@@ -69,6 +70,7 @@ class Scheduler:
         self._forget_on_runners.add(request_id)
         if request.grammar is not None:
             request.grammar.cancel()
+            self.num_constrained -= 1
 
     def abort_requests(self, request_ids) -> None:
         for request_id in request_ids:
@@ -131,15 +133,18 @@ class Scheduler:
     # ---- structured output ----------------------------------------------------------------------
     def grammars_compiling(self) -> list:
         """The grammars that waiting requests wait for."""
+        if not self.num_constrained:
+            return []
         return [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.compiled]
 
     def take_failed(self) -> list[Request]:
-        """Requests finished since the last call because their grammar failed (each with its `error`)."""
-        for request in [r for r in self.waiting if r.grammar is not None and r.grammar.compiled and r.grammar.error]:
+        """The waiting requests whose grammar failed, finished now (each with its `error`)."""
+        if not self.num_constrained:
+            return []
+        failed = [r for r in self.waiting if r.grammar is not None and r.grammar.compiled and r.grammar.error]
+        for request in failed:
             request.error = request.grammar.error
             self.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
-            self.failed.append(request)
-        failed, self.failed = self.failed, []
         return failed
 
     def _advance_grammar(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
