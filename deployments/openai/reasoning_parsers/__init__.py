@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..parser_registry import ParserRegistry
 from ..tool_parsers import model_type_and_architectures
 from .base import ReasoningParser, ThinkReasoningParser
 from .harmony import HarmonyReasoningParser
@@ -35,27 +36,6 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "openai": HarmonyReasoningParser,
     "openai_gptoss": HarmonyReasoningParser,
 }
-
-
-def reasoning_parser_names() -> list[str]:
-    return ["auto", *sorted(REASONING_PARSERS)]
-
-
-def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: "
-                         f"{', '.join(reasoning_parser_names())}") from None
-
-
-def reasoning_parser_class(name: str, config: Any = None,
-                           chat_template: str | None = None) -> type[ReasoningParser] | None:
-    """The parser a `--reasoning-parser` value names; for "auto", the model's (None when it does not reason)."""
-    if name == "auto":
-        found = default_reasoning_parser(config, chat_template)
-        return None if found is None else REASONING_PARSERS[found]
-    return get_reasoning_parser(name)
 
 
 def default_reasoning_parser(config: Any, chat_template: str | None = None) -> str | None:
@@ -85,6 +65,11 @@ def default_reasoning_parser(config: Any, chat_template: str | None = None) -> s
         return "qwen3"
     return None
 
+
+_REGISTRY = ParserRegistry("reasoning parser", REASONING_PARSERS, default_reasoning_parser)
+reasoning_parser_names = _REGISTRY.names
+get_reasoning_parser = _REGISTRY.get
+reasoning_parser_class = _REGISTRY.for_model  # (name, config, chat_template): "auto" picks the model's
 
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "ThinkReasoningParser", "default_reasoning_parser",
            "get_reasoning_parser", "reasoning_parser_class", "reasoning_parser_names"]

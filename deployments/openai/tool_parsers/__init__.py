@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..parser_registry import ParserRegistry
 from .base import DeltaMessage, FunctionDelta, ParsedToolCalls, ToolCall, ToolCallDelta, ToolParser, collect
 from .deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from .deepseek_dsml import DeepSeekDsmlToolParser
@@ -45,26 +46,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "minimax_m2": MiniMaxM2ToolParser,
     "openai": HarmonyToolParser,
 }
-
-
-def tool_parser_names() -> list[str]:
-    return ["auto", *sorted(TOOL_PARSERS)]
-
-
-def get_tool_parser(name: str) -> type[ToolParser]:
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; choose one of: "
-                         f"{', '.join(tool_parser_names())}") from None
-
-
-def tool_parser_class(name: str, config: Any = None, chat_template: str | None = None) -> type[ToolParser] | None:
-    """The parser a `--tool-call-parser` value names; for "auto", the model's (None when it has none)."""
-    if name == "auto":
-        found = default_tool_parser(config, chat_template)
-        return None if found is None else TOOL_PARSERS[found]
-    return get_tool_parser(name)
 
 
 def model_type_and_architectures(config: Any) -> tuple[str, list[str]]:
@@ -112,6 +93,11 @@ def default_tool_parser(config: Any, chat_template: str | None = None) -> str | 
         return "hermes" if "<tool_call>" in template else "llama3_json"
     return None
 
+
+_REGISTRY = ParserRegistry("tool call parser", TOOL_PARSERS, default_tool_parser)
+tool_parser_names = _REGISTRY.names
+get_tool_parser = _REGISTRY.get
+tool_parser_class = _REGISTRY.for_model  # (name, config, chat_template): "auto" picks the model's
 
 __all__ = ["DeltaMessage", "FunctionDelta", "ParsedToolCalls", "TOOL_PARSERS", "ToolCall", "ToolCallDelta",
            "ToolParser", "collect", "default_tool_parser", "get_tool_parser", "model_type_and_architectures",
