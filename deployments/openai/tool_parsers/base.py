@@ -240,6 +240,24 @@ class ToolParser:
         """The state that reads a call (or section) beginning with `marker`, which is still unread."""
         raise NotImplementedError
 
+    def _read_between_calls(self, openers: tuple[str, ...], closers: tuple[str, ...]) -> str | bool | None:
+        """Inside a block of calls, between two: text up to the next opener or closer is content unless it is
+        only whitespace. Returns the opener found (still unread), True when a closer ended the block (back to
+        content), None when there is nothing more to read yet."""
+        hit = find_first(self._buffer, openers + closers)
+        if hit is None and not self._eof:
+            return None
+        text = self._consume(hit[0] if hit else len(self._buffer))
+        if text.strip():
+            self._emit_content(text)
+        if hit is None:
+            return None
+        if hit[1] in closers:
+            self._consume(len(hit[1]))
+            self._state = self._read_content
+            return True
+        return hit[1]
+
     def _not_a_call(self, size: int) -> bool:
         """The first `size` characters began like a call and are not one: they are content."""
         self._emit_content(self._consume(size))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from .base import ToolParser
-from .scanning import FAIL, NEED, expect_any, find_first, skip_whitespace
+from .scanning import FAIL, NEED, expect_any, skip_whitespace
 
 
 class SectionToolParser(ToolParser):
@@ -51,23 +51,13 @@ class SectionToolParser(ToolParser):
         raise NotImplementedError
 
     def _read_section(self) -> bool:
-        """Between calls: text up to the next token is content unless it is only whitespace; the section end
-        closes the section."""
-        markers = self.call_begins + self.section_ends
-        hit = find_first(self._buffer, markers)
-        if hit is None and not self._eof:
+        """Between calls (`_read_between_calls`); the section end closes the section."""
+        found = self._read_between_calls(self.call_begins, self.section_ends)
+        if found is None:
             return False
-        text = self._consume(hit[0] if hit else len(self._buffer))
-        if text.strip():
-            self._emit_content(text)
-        if hit is None:
-            return False
-        if hit[1] in self.section_ends:
-            self._consume(len(hit[1]))
-            self._state = self._read_content
-            return True
-        self._call_begin = hit[1]
-        self._state = self._read_call_header
+        if found is not True:
+            self._call_begin = found
+            self._state = self._read_call_header
         return True
 
     def _read_call_header(self) -> bool:

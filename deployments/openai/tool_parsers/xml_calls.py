@@ -69,21 +69,11 @@ class XmlToolParser(ToolParser):
         return True
 
     def _read_block(self) -> bool:
-        """Between invokes: text up to the next tag is content unless it is only whitespace; the block end
-        closes the block."""
-        markers = self.invoke_prefixes + self.block_ends
-        hit = find_first(self._buffer, markers)
-        if hit is None and not self._eof:
+        """Between invokes (`_read_between_calls`); the block end closes the block."""
+        found = self._read_between_calls(self.invoke_prefixes, self.block_ends)
+        if found is None:
             return False
-        text = self._consume(hit[0] if hit else len(self._buffer))
-        if text.strip():
-            self._emit_content(text)
-        if hit is None:
-            return False
-        if hit[1] in self.block_ends:
-            self._consume(len(hit[1]))
-            self._state = self._read_content
-        else:
+        if found is not True:
             self._state = self._read_invoke_header
         return True
 
