@@ -14,8 +14,8 @@ from engine.sampling_params import SamplingParams
 from .reasoning_parsers import ReasoningParser, reasoning_parser_class, reasoning_parser_names
 from .tool_calls import ToolPlan
 from .tool_parsers import DeltaMessage, ToolParser, collect, tool_parser_class, tool_parser_names
-from .tool_parsers.json_calls import read_call_header
-from .tool_parsers.scanning import FAIL, NEED, JsonScanner, expect, skip_whitespace
+from .tool_parsers.json_calls import JsonCallParser, read_call_header
+from .tool_parsers.scanning import FAIL, NEED, expect, skip_whitespace
 from .tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
 OFF = "none"
@@ -220,7 +220,7 @@ class NamedCallReader(ToolParser):
         return True
 
 
-class RequiredCallsReader(ToolParser):
+class RequiredCallsReader(JsonCallParser):
     """The output of tool_choice "required": `[{"name": N, "arguments": {...}}, ...]` (the constraint makes it
     so). A call starts once its name is read; its arguments pass through as written. Whatever is not a call
     (an output cut before the array opened) is content."""
@@ -252,18 +252,7 @@ class RequiredCallsReader(ToolParser):
             if self._consume(pos + 1)[-1] == "]":
                 self._state = self._read_rest  # the array's end; the constraint leaves nothing after it
             return True
-        header = read_call_header(self._buffer, pos, self._eof)
-        if header is NEED:
-            return False
-        if header is FAIL:
-            self._state = self._read_rest
-            return True
-        name, arguments_start = header
-        self._consume(arguments_start)
-        self._begin_call(name)
-        self._scanner = JsonScanner()
-        self._state = self._read_arguments
-        return True
+        return self._open_call(read_call_header(self._buffer, pos, self._eof), self._read_rest)
 
     def _read_arguments(self) -> bool:
         end, closed = self._scanner.scan(self._buffer)

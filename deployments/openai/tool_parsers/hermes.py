@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import ToolParser
-from .json_calls import call_from_json, read_call_header
-from .scanning import FAIL, NEED, JsonScanner, find_first, partial_suffix
+from .json_calls import JsonCallParser, call_from_json, read_call_header
+from .scanning import find_first, partial_suffix
 
 START, END = "<tool_call>", "</tool_call>"
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(JsonCallParser):
     name = "hermes"
     start_markers = (START,)
 
@@ -20,18 +19,7 @@ class HermesToolParser(ToolParser):
         return self._read_header
 
     def _read_header(self) -> bool:
-        header = read_call_header(self._buffer, len(START), self._eof)
-        if header is NEED:
-            return False
-        if header is FAIL:
-            self._state = self._read_whole_block
-            return True
-        name, arguments_start = header
-        self._consume(arguments_start)
-        self._begin_call(name)
-        self._scanner = JsonScanner()
-        self._state = self._read_arguments
-        return True
+        return self._open_call(read_call_header(self._buffer, len(START), self._eof), self._read_whole_block)
 
     def _read_arguments(self) -> bool:
         end, closed = self._scanner.scan(self._buffer)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .scanning import FAIL, NEED, expect, expect_any, read_json_string, skip_whitespace
+from collections.abc import Callable
+
+from .base import ToolParser
+from .scanning import FAIL, NEED, JsonScanner, expect, expect_any, read_json_string, skip_whitespace
 
 ARGUMENT_KEYS = ('"arguments"', '"parameters"')
 
@@ -38,6 +41,26 @@ def read_call_header(text: str, pos: int, eof: bool):
     if text[pos] != "{" or not name:
         return FAIL
     return name, pos
+
+
+class JsonCallParser(ToolParser):
+    """A parser whose calls are such objects: `_open_call` starts one from `read_call_header`'s result and
+    hands its arguments to the subclass's `_read_arguments` state."""
+
+    def _open_call(self, header, otherwise: Callable[[], bool]) -> bool:
+        """A header begins the call (its name out) and reads its arguments with a fresh scanner; FAIL moves
+        to `otherwise`; NEED waits for more text."""
+        if header is NEED:
+            return False
+        if header is FAIL:
+            self._state = otherwise
+            return True
+        name, arguments_start = header
+        self._consume(arguments_start)
+        self._begin_call(name)
+        self._scanner = JsonScanner()
+        self._state = self._read_arguments
+        return True
 
 
 def call_from_json(text: str) -> tuple[str, str] | None:

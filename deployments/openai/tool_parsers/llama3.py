@@ -4,14 +4,13 @@ are separated by `;` (agentic_and_spec_formats.md A.1, after meta-llama's prompt
 A reply that does not start with a call object is content; the built-in tools' Python syntax is content."""
 from __future__ import annotations
 
-from .base import ToolParser
-from .json_calls import call_from_json, read_call_header
+from .json_calls import JsonCallParser, call_from_json, read_call_header
 from .scanning import FAIL, NEED, JsonScanner, expect, skip_whitespace
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(JsonCallParser):
     name = "llama3_json"
 
     def __init__(self, tools=None) -> None:
@@ -45,18 +44,9 @@ class Llama3JsonToolParser(ToolParser):
 
     def _read_object(self) -> bool:
         header = read_call_header(self._buffer, 0, self._eof)
-        if header is NEED:
-            return False
-        if header is FAIL:
-            self._state = self._read_whole_object
-            return True
-        name, arguments_start = header
-        self._consume(arguments_start)
-        self._skipped = ""
-        self._begin_call(name)
-        self._scanner = JsonScanner()
-        self._state = self._read_arguments
-        return True
+        if header is not NEED and header is not FAIL:
+            self._skipped = ""  # a call: what came before it is not content
+        return self._open_call(header, self._read_whole_object)
 
     def _read_arguments(self) -> bool:
         end, closed = self._scanner.scan(self._buffer)
