@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import re
 
-from .scanning import FAIL, NEED, is_function_name, read_tag
 from .xml_calls import XmlToolParser
-
-_INVOKE = re.compile(r'<｜DSML｜invoke\s+name="([^"]*)"\s*>')
-_PARAMETER = re.compile(r'<｜DSML｜parameter\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>')
 
 
 class DeepSeekDsmlToolParser(XmlToolParser):
@@ -25,17 +21,5 @@ class DeepSeekDsmlToolParser(XmlToolParser):
     param_prefixes, value_end = ("<｜DSML｜parameter",), "</｜DSML｜parameter>"
     value_trim = "none"
     unknown_params = "json"
-
-    def _invoke_header(self, text: str, pos: int):
-        tag = read_tag(text, pos, _INVOKE, ">", self._eof)
-        if tag is NEED or tag is FAIL:
-            return tag
-        name = tag[0][1].strip()
-        return (name, tag[1]) if is_function_name(name) else FAIL
-
-    def _param_header(self, text: str, pos: int):
-        tag = read_tag(text, pos, _PARAMETER, ">", self._eof)
-        if tag is NEED or tag is FAIL:
-            return tag
-        key, string = tag[0][1].strip(), tag[0][2]
-        return (key, tag[1], None if string is None else string == "true") if key else FAIL
+    invoke_tag = re.compile(r'<｜DSML｜invoke\s+name="(?P<name>[^"]*)"\s*>')
+    param_tag = re.compile(r'<｜DSML｜parameter\s+name="(?P<name>[^"]*)"(?:\s+string="(?P<string>true|false)")?\s*>')

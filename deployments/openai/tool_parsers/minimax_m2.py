@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .scanning import FAIL, NEED, is_function_name, read_tag
 from .xml_calls import XmlToolParser
-
-_INVOKE = re.compile(r"""<invoke\s+name=(["']?)([^"'>]*)\1\s*>""")
-_PARAMETER = re.compile(r"""<parameter\s+name=(["']?)([^"'>]*)\1\s*>""")
 
 
 class MiniMaxM2ToolParser(XmlToolParser):
@@ -23,17 +19,5 @@ class MiniMaxM2ToolParser(XmlToolParser):
     param_prefixes, value_end = ("<parameter",), "</parameter>"
     value_trim = "strip"
     unknown_params = "string"
-
-    def _invoke_header(self, text: str, pos: int):
-        tag = read_tag(text, pos, _INVOKE, ">", self._eof)
-        if tag is NEED or tag is FAIL:
-            return tag
-        name = tag[0][2].strip()
-        return (name, tag[1]) if is_function_name(name) else FAIL
-
-    def _param_header(self, text: str, pos: int):
-        tag = read_tag(text, pos, _PARAMETER, ">", self._eof)
-        if tag is NEED or tag is FAIL:
-            return tag
-        key = tag[0][2].strip()
-        return (key, tag[1], None) if key else FAIL
+    invoke_tag = re.compile(r"""<invoke\s+name=(["']?)(?P<name>[^"'>]*)\1\s*>""")
+    param_tag = re.compile(r"""<parameter\s+name=(["']?)(?P<name>[^"'>]*)\1\s*>""")

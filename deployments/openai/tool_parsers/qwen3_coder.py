@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .scanning import FAIL, NEED, is_function_name, read_tag
 from .xml_calls import XmlToolParser
-
-_FUNCTION = re.compile(r"<function=([^>\n]*)>")
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
 
 
 class Qwen3CoderToolParser(XmlToolParser):
@@ -24,17 +20,5 @@ class Qwen3CoderToolParser(XmlToolParser):
     bare_invokes = True
     value_trim = "newline"
     unknown_params = "string"
-
-    def _invoke_header(self, text: str, pos: int):
-        tag = read_tag(text, pos, _FUNCTION, ">", self._eof)
-        if tag is NEED or tag is FAIL:
-            return tag
-        name = tag[0][1].strip()
-        return (name, tag[1]) if is_function_name(name) else FAIL
-
-    def _param_header(self, text: str, pos: int):
-        tag = read_tag(text, pos, _PARAMETER, ">", self._eof)
-        if tag is NEED or tag is FAIL:
-            return tag
-        key = tag[0][1].strip()
-        return (key, tag[1], None) if key else FAIL
+    invoke_tag = re.compile(r"<function=(?P<name>[^>\n]*)>")
+    param_tag = re.compile(r"<parameter=(?P<name>[^>\n]*)>")

@@ -8,11 +8,12 @@ its own closing tag as text (code that writes these formats)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import ClassVar, Literal
 
 from .base import ToolParser
-from .scanning import FAIL, NEED, expect_any, find_first, partial_suffix, skip_whitespace
+from .scanning import FAIL, NEED, expect_any, find_first, is_function_name, partial_suffix, read_tag, skip_whitespace
 from .schema import is_plain_string, typed_value
 
 
@@ -38,13 +39,26 @@ class XmlToolParser(ToolParser):
     def start_markers(self) -> tuple[str, ...]:
         return self.block_begins + (self.invoke_prefixes if self.bare_invokes else ())
 
+    # The tags, whole (through their `>`): group "name" the function or the parameter's key; a parameter tag's
+    # optional group "string" ("true"/"false") says whether its value is a string. GLM's overrides read others.
+    invoke_tag: ClassVar[re.Pattern]
+    param_tag: ClassVar[re.Pattern]
+
     def _invoke_header(self, text: str, pos: int):
         """For the invoke tag at `pos`: (function name, end), NEED or FAIL."""
-        raise NotImplementedError
+        tag = read_tag(text, pos, self.invoke_tag, ">", self._eof)
+        if tag is NEED or tag is FAIL:
+            return tag
+        name = tag[0]["name"].strip()
+        return (name, tag[1]) if is_function_name(name) else FAIL
 
     def _param_header(self, text: str, pos: int):
         """For the parameter tag at `pos`: (key, end, string or not as the tag says, else None), NEED or FAIL."""
-        raise NotImplementedError
+        tag = read_tag(text, pos, self.param_tag, ">", self._eof)
+        if tag is NEED or tag is FAIL:
+            return tag
+        key, string = tag[0]["name"].strip(), tag[0].groupdict().get("string")
+        return (key, tag[1], None if string is None else string == "true") if key else FAIL
 
     # ---- block and invoke ----------------------------------------------------------------------------------
     def _start(self, marker: str) -> Callable[[], bool]:
