@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from triton_device import DEVICE, ON_GPU  # noqa: E402  (skips the module without Triton)
+from triton_device import DEVICE, ON_GPU, check_quantized_graph_replay  # noqa: E402  (skips the module without Triton)
 
 from engine.kernels import registry  # noqa: E402
 from engine.kernels.quant import QuantScheme, dequantize_weight, quantize_weight  # noqa: E402
@@ -134,16 +134,4 @@ def test_decode_replays_in_a_cuda_graph_with_new_inputs():
     qw, x = int4_weight(N, 160, 32), torch.randn(1, 160, device=DEVICE).bfloat16()
     (w13, w2), h = experts(torch.bfloat16), torch.randn(2, HIDDEN, device=DEVICE).bfloat16()
     weights, ids = routing(2)
-    quant.gemm_quantized(x, qw), moe_quant.fused_experts_quantized(h, w13, w2, weights, ids)  # compile first
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = quant.gemm_quantized(x, qw)
-        out = moe_quant.fused_experts_quantized(h, w13, w2, weights, ids)
-    x.copy_(torch.randn_like(x))
-    h.copy_(torch.randn_like(h))
-    new_weights, new_ids = routing(2)
-    weights.copy_(new_weights)
-    ids.copy_(new_ids)
-    graph.replay()
-    torch.testing.assert_close(y, quant.gemm_quantized(x, qw))
-    torch.testing.assert_close(out, moe_quant.fused_experts_quantized(h, w13, w2, weights, ids))
+    check_quantized_graph_replay(qw, x, w13, w2, h, weights, ids, routing(2))
