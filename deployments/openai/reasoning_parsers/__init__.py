@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..parser_registry import ParserRegistry
-from ..tool_parsers import model_type_and_architectures
+from ..tool_parsers import model_family
 from .base import ReasoningParser, ThinkReasoningParser
 from .harmony import HarmonyReasoningParser
 from .think import (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Glm45ReasoningParser,
@@ -43,27 +43,15 @@ def default_reasoning_parser(config: Any, chat_template: str | None = None) -> s
     not reason (Llama, Mixtral, Gemma). DeepSeek-V3's architecture serves V3 (no reasoning), R1 and V3.1;
     the chat template tells them apart: no `<think>` is V3, a `thinking` switch is V3.1, else R1. Without it
     the choice is `deepseek_v3`, which finds reasoning only where the prompt or the output opens it."""
-    model_type, architectures = model_type_and_architectures(config)
-    names = {model_type, *architectures}
-    if model_type in ("kimi_k2", "kimi_k25") or any(a.startswith("KimiK2") for a in architectures):
-        return "kimi_k2"
-    if names & {"gpt_oss", "GptOssForCausalLM"}:
-        return "openai"
-    if names & {"minimax_m2", "MiniMaxM2ForCausalLM"}:
-        return "minimax_m2"
-    if names & {"glm4_moe", "glm_moe_dsa", "Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM"}:
-        return "glm45"
-    if names & {"deepseek_v32", "deepseek_v4", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM"}:
-        return "deepseek_v3"
-    if names & {"deepseek_v3", "DeepseekV3ForCausalLM"}:
+    family = model_family(config)
+    if family == "deepseek_v3":
         if chat_template is None:
             return "deepseek_v3"
         if "<think>" not in chat_template:
             return None
         return "deepseek_v3" if "thinking" in chat_template else "deepseek_r1"
-    if model_type.startswith("qwen3") or any(a.startswith("Qwen3") for a in architectures):
-        return "qwen3"
-    return None
+    return {"kimi_k2": "kimi_k2", "gpt_oss": "openai", "minimax_m2": "minimax_m2", "glm": "glm45",
+            "deepseek_dsa": "deepseek_v3", "qwen3_5": "qwen3", "qwen3": "qwen3"}.get(family)
 
 
 _REGISTRY = ParserRegistry("reasoning parser", REASONING_PARSERS, default_reasoning_parser)

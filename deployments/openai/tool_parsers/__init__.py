@@ -63,35 +63,43 @@ def model_type_and_architectures(config: Any) -> tuple[str, list[str]]:
     return model_type, architectures
 
 
-def default_tool_parser(config: Any, chat_template: str | None = None) -> str | None:
-    """The parser name for a model, from its config's model_type and architectures; the chat template, when
-    given, tells apart checkpoints of one architecture that call tools differently (DeepSeek-V3 vs V3.1,
-    Qwen3 vs Qwen3-Coder, SmolLM/Hermes-style Llama fine-tunes). None when no parser fits."""
+def model_family(config: Any) -> str | None:
+    """Which family's output formats a model writes, from its config's model_type and architectures (the
+    parsers' "auto" choice; the chat template then tells checkpoints of one family apart): kimi_k2, gpt_oss,
+    minimax_m2, glm, deepseek_dsa (V3.2, V4), deepseek_v3, qwen3_5, qwen3, qwen2, llama, or None."""
     model_type, architectures = model_type_and_architectures(config)
-    template = chat_template or ""
     names = {model_type, *architectures}
     if model_type in ("kimi_k2", "kimi_k25") or any(a.startswith("KimiK2") for a in architectures):
         return "kimi_k2"
-    if names & {"gpt_oss", "GptOssForCausalLM"}:
-        return "openai"
-    if names & {"minimax_m2", "MiniMaxM2ForCausalLM"}:
-        return "minimax_m2"
-    if names & {"glm4_moe", "glm_moe_dsa", "Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM"}:
-        return "glm45"
-    if names & {"deepseek_v32", "deepseek_v4", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM"}:
-        return "deepseek_v32"
-    if names & {"deepseek_v3", "DeepseekV3ForCausalLM"}:
-        if "<｜tool▁sep｜>" in template and "```json" not in template:  # V3.1 dropped the fenced JSON
-            return "deepseek_v31"
-        return "deepseek_v3"
-    if names & {"qwen3_5", "qwen3_5_moe", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}:
-        return "qwen3_coder"
-    if model_type.startswith(("qwen2", "qwen3")) or any(a.startswith(("Qwen2", "Qwen3")) for a in architectures):
+    for family, members in (
+            ("gpt_oss", {"gpt_oss", "GptOssForCausalLM"}),
+            ("minimax_m2", {"minimax_m2", "MiniMaxM2ForCausalLM"}),
+            ("glm", {"glm4_moe", "glm_moe_dsa", "Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM"}),
+            ("deepseek_dsa", {"deepseek_v32", "deepseek_v4", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM"}),
+            ("deepseek_v3", {"deepseek_v3", "DeepseekV3ForCausalLM"}),
+            ("qwen3_5", {"qwen3_5", "qwen3_5_moe", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"})):
+        if names & members:
+            return family
+    for family, prefix in (("qwen3", "qwen3"), ("qwen2", "qwen2")):
+        if model_type.startswith(prefix) or any(a.startswith(prefix.capitalize()) for a in architectures):
+            return family
+    return "llama" if names & {"llama", "LlamaForCausalLM"} else None
+
+
+def default_tool_parser(config: Any, chat_template: str | None = None) -> str | None:
+    """The parser name for a model, from its family (`model_family`); the chat template, when given, tells
+    apart checkpoints of one family that call tools differently (DeepSeek-V3 vs V3.1, Qwen3 vs Qwen3-Coder,
+    SmolLM/Hermes-style Llama fine-tunes). None when no parser fits."""
+    family, template = model_family(config), chat_template or ""
+    if family == "deepseek_v3":  # V3.1 dropped the fenced JSON
+        return "deepseek_v31" if "<｜tool▁sep｜>" in template and "```json" not in template else "deepseek_v3"
+    if family in ("qwen3", "qwen2"):
         return "qwen3_coder" if "<function=" in template else "hermes"
-    if names & {"llama", "LlamaForCausalLM"}:
+    if family == "llama":
         return "hermes" if "<tool_call>" in template else "llama3_json"
-    return None
+    return {"kimi_k2": "kimi_k2", "gpt_oss": "openai", "minimax_m2": "minimax_m2", "glm": "glm45",
+            "deepseek_dsa": "deepseek_v32", "qwen3_5": "qwen3_coder"}.get(family)
 
 
 _REGISTRY = ParserRegistry("tool call parser", TOOL_PARSERS, default_tool_parser)
@@ -100,5 +108,5 @@ get_tool_parser = _REGISTRY.get
 tool_parser_class = _REGISTRY.for_model  # (name, config, chat_template): "auto" picks the model's
 
 __all__ = ["DeltaMessage", "FunctionDelta", "ParsedToolCalls", "TOOL_PARSERS", "ToolCall", "ToolCallDelta",
-           "ToolParser", "collect", "default_tool_parser", "get_tool_parser", "model_type_and_architectures",
-           "tool_parser_class", "tool_parser_names"]
+           "ToolParser", "collect", "default_tool_parser", "get_tool_parser", "model_family",
+           "model_type_and_architectures", "tool_parser_class", "tool_parser_names"]
