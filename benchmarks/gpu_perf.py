@@ -160,9 +160,10 @@ def engine_decode_rates(model: str, prompt: list[int], new_tokens: int, variants
     return results
 
 
-def hf_model(model: str):
+def hf_model(model: str, config=None):
+    """transformers' model of `model`'s config (or the given `config`) on the GPU in bf16, random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(model)
+    config = config if config is not None else AutoConfig.from_pretrained(model)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     hf.eval()

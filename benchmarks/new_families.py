@@ -154,17 +154,14 @@ def engine(name: str, **overrides):
 def hf_model(name: str):
     """transformers' model of the config in bf16 (its quantization config dropped: the MXFP4 kernels it would
     need come from the hub)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from benchmarks import gpu_perf
     config = AutoConfig.from_pretrained(f"benchmarks/configs/{name}")
     config.quantization_config = None
-    if hasattr(config, "text_config") and config.text_config is not None:
+    if getattr(config, "text_config", None) is not None:
         config.text_config.quantization_config = None
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    hf.eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf
+    return gpu_perf.hf_model(f"benchmarks/configs/{name}", config)
 
 
 def latency(args) -> dict:
