@@ -20,6 +20,12 @@ else:
 ON_GPU = DEVICE == "cuda"
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference, relative to the largest expected value (same shape and dtype asserted)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, expected.shape)
+    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
+
+
 def check_quantized_graph_replay(qw, x, w13, w2, h, weights, ids, new_routing) -> None:
     """A quantized GEMM and fused experts captured in one CUDA graph give, replayed on new inputs (new
     activations, and `new_routing`'s (weights, ids)), what eager calls give on those inputs."""

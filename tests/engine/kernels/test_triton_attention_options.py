@@ -7,7 +7,6 @@ On a CUDA GPU the kernels run compiled; elsewhere under TRITON_INTERPRET=1 at ti
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import pytest
 import torch
@@ -23,11 +22,6 @@ from engine.kernels.triton.attention import TritonAttentionBackend  # noqa: E402
 MIXED = [(0, 1), (9, 1), (45, 1), (100, 1), (0, 40), (35, 30), (3, 5)]
 DECODES = [(0, 1), (9, 1), (70, 1), (150, 1), (33, 1)]
 TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
 def sinks(num_heads: int) -> torch.Tensor:

@@ -7,7 +7,6 @@ On a CUDA GPU the kernels run compiled; elsewhere under TRITON_INTERPRET=1 at ti
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import pytest
 import torch
@@ -29,11 +28,6 @@ SAME_CACHE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rt
 # mantissa bits: up to 6.25% per element, all of it where a context is one token long; longer contexts average
 # much of it out (measured: 3-6% here, against 0.5-1% between two kernels over one FP8 cache).
 FP8_ERROR = 0.1
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
 def magnitudes(*shape) -> torch.Tensor:

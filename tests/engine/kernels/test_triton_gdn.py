@@ -6,7 +6,6 @@ mixed step with a decode), decode steps over slots out of order, and a pass with
 Needs a CUDA GPU and an importable `fla` (the `gdn` extra); skipped otherwise."""
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
@@ -31,11 +30,6 @@ POOL = 12
 # decoding in the second (decodes go first); then decodes alone over slots out of order.
 PREFILL_IN_TWO_CHUNKS = [([130, 7, 64], [5, 2, 9]), ([1, 70, 3], [2, 5, 9])]
 DECODE_STEPS = [([1] * 6, [7, 0, 11, 3, 9, 1])] * 3
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))  # fresh inputs per test, reproducible
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

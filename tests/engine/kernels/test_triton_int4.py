@@ -6,12 +6,12 @@ last tile, N no tile divides, bias, remote experts; groups the kernels cannot ti
 On a CUDA GPU the kernels run compiled; elsewhere under TRITON_INTERPRET=1, at tiny sizes."""
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
 
-from triton_device import DEVICE, ON_GPU, check_quantized_graph_replay  # noqa: E402  (skips the module without Triton)
+from triton_device import (DEVICE, ON_GPU, check_quantized_graph_replay,  # noqa: E402  (skips without Triton)
+                           relative_error)
 
 from engine.kernels import registry  # noqa: E402
 from engine.kernels.quant import QuantScheme, dequantize_weight, quantize_weight  # noqa: E402
@@ -25,16 +25,6 @@ N = 72  # no tile divides it
 SHAPES = [(160, 32), (256, 128)]
 EXACT = 1e-5           # float32 activations against x @ W^T of the dequantized weight
 ROUNDING_LIMIT = 1e-2  # half-precision outputs: the same products, rounded (the interpreter truncates)
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, expected.shape)
-    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
 
 
 def int4_weight(n: int, k: int, group: int, experts: int | None = None, scale_dtype=torch.bfloat16):

@@ -7,7 +7,6 @@ On a CUDA GPU the kernels run compiled (tiny and DeepSeek-V2-Lite shapes); elsew
 at tiny shapes: MLA as tests/tiny_models.py's deepseek configs have it (L=32, R=8, N=16, V=24, 6 heads)."""
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
@@ -25,11 +24,6 @@ LITE = (16, 512, 64, 128, 128)  # DeepSeek-V2-Lite's attention
 SHAPES = [TINY, LITE] if ON_GPU else [TINY]
 DTYPES = [torch.float32, torch.bfloat16]
 BLOCK_SIZE = 4
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))  # fresh inputs per test, reproducible
 
 
 def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

@@ -5,7 +5,6 @@ powers of two; the pair layout they run on; the fused softmax top-k router.
 On a CUDA GPU the kernels run compiled; elsewhere under TRITON_INTERPRET=1, at tiny sizes."""
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
@@ -16,11 +15,6 @@ from engine.kernels.torch import moe as reference  # noqa: E402
 from engine.kernels.triton import moe, moe_routing  # noqa: E402
 
 HIDDEN, INTER, EXPERTS = 96, 40, 8  # not powers of two: every tile has masked rows or columns
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))  # fresh inputs per test, reproducible
 
 
 def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

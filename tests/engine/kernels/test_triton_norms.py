@@ -9,7 +9,6 @@ truncate instead of rounding: bfloat16 results may differ from torch's by one un
 from __future__ import annotations
 
 import functools
-import zlib
 
 import pytest
 import torch
@@ -46,11 +45,6 @@ def norm_weight(style: str, hidden: int, dtype: torch.dtype) -> torch.Tensor | N
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[expected.dtype])
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))  # fresh inputs per test, reproducible
 
 
 # ---- rms_norm_variant ----------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ percent of it, and exactly (float32) to the product with the dequantized weight.
 compiled; elsewhere under TRITON_INTERPRET=1, at tiny sizes."""
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
 
-from triton_device import DEVICE, ON_GPU, check_quantized_graph_replay  # noqa: E402  (skips the module without Triton)
+from triton_device import (DEVICE, ON_GPU, check_quantized_graph_replay,  # noqa: E402  (skips without Triton)
+                           relative_error)
 
 from engine.kernels import registry  # noqa: E402
 from engine.kernels.quant import (QuantScheme, QuantizedWeight, dequantize_weight, fake_quantize_fp8,  # noqa: E402
@@ -37,16 +37,6 @@ ROUNDING_LIMIT = 1e-2     # the same arithmetic, rounded to bf16 (the interprete
 # 14 bits of the running sum within each promotion interval. Measured on an H100 with the activations bit-equal
 # to the reference's: 1.3e-4 to 3.2e-4 of the largest output, where float32 arithmetic gives 2e-7.
 FP8_TENSOR_CORE_LIMIT = 1e-3
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, expected.shape)
-    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
 
 
 def weight(name: str, n: int = N, k: int = K, experts: int | None = None) -> QuantizedWeight:
