@@ -143,6 +143,14 @@ def accumulate(acc, a, a_scale, w, w_scale, METHOD: tl.constexpr, ACT: tl.conste
 
 
 @triton.jit
+def in_k(k, K):
+    """k, or K's last column for a K sub-tile that starts past K (a wide tile on a short K): its operands load as
+    zeros, and the FP8 block scale it multiplies them by must be read inside the scales, not past their end,
+    where 0 x garbage can be NaN."""
+    return tl.minimum(k, K - 1)
+
+
+@triton.jit
 def weight_scales(scale_ptr, features, feature_mask, k, K, stride_sn, METHOD: tl.constexpr,
                   BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight scales of the K tile at k (of K) for `accumulate`: [BN] fp32 (BLOCK), [BN, BK/32] e8m0
@@ -153,7 +161,7 @@ def weight_scales(scale_ptr, features, feature_mask, k, K, stride_sn, METHOD: tl
         return tl.load(scale_ptr + features.to(tl.int64)[:, None] * stride_sn + groups[None, :],
                        mask=feature_mask[:, None] & (groups < K // 32)[None, :], other=0)
     elif METHOD == BLOCK:
-        return tl.load(scale_ptr + (features // BLOCK_SN).to(tl.int64) * stride_sn + k // BLOCK_SK,
+        return tl.load(scale_ptr + (features // BLOCK_SN).to(tl.int64) * stride_sn + in_k(k, K) // BLOCK_SK,
                        mask=feature_mask, other=0.0)
     else:
         return scale_ptr
@@ -169,7 +177,7 @@ def activation_scales(scale_ptr, index, mask, k, K, METHOD: tl.constexpr, ACT: t
         return tl.load(scale_ptr + index[:, None] + groups[None, :], mask=mask[:, None] & (groups < K // 32)[None, :],
                        other=0)
     elif ACT == ACT_FP8 and METHOD == BLOCK:
-        return tl.load(scale_ptr + index + k // BLOCK_SK, mask=mask, other=0.0)
+        return tl.load(scale_ptr + index + in_k(k, K) // BLOCK_SK, mask=mask, other=0.0)
     else:
         return scale_ptr
 
@@ -250,7 +258,7 @@ def _gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, K,
                 a_scale = activation_scales(a_scale_ptr, a_index, row_mask, k, K, METHOD, ACT, BLOCK_SK, SUB_K)
                 if METHOD == BLOCK and BLOCK_SN % BLOCK_N == 0:  # one scale block row: one scale, not a gather
                     w_scale = tl.zeros([BLOCK_N], dtype=tl.float32) + tl.load(
-                        w_scale_ptr + (pid_n * BLOCK_N // BLOCK_SN).to(tl.int64) * stride_wsn + k // BLOCK_SK)
+                        w_scale_ptr + (pid_n * BLOCK_N // BLOCK_SN).to(tl.int64) * stride_wsn + in_k(k, K) // BLOCK_SK)
                 else:
                     w_scale = weight_scales(w_scale_ptr, cols, col_mask, k, K, stride_wsn, METHOD, BLOCK_SN,
                                             BLOCK_SK, SUB_K)

@@ -133,6 +133,20 @@ def test_leading_dimensions_are_kept():
     torch.testing.assert_close(out, quant.gemm_quantized(x.reshape(6, K), qw).view(2, 3, N))
 
 
+@pytest.mark.parametrize("rows", [1, 6, 40])
+def test_no_block_scale_is_read_past_the_scales_end(rows):
+    """A decode K tile (up to 1,024 wide) on a short K (160: two scale blocks) reads no scale past the last:
+    with NaN there, the output stays finite and the same (CI once met NaN in memory past the scales)."""
+    qw, x = weight("fp8_block"), activations(rows)
+    expected = quant.gemm_quantized(x, qw)
+    padded = torch.full((qw.scale.numel() + 64,), float("nan"), device=DEVICE)
+    padded[:qw.scale.numel()] = qw.scale.reshape(-1)
+    qw.scale, qw.prepared = padded[:qw.scale.numel()].view(qw.scale.shape), {}
+    out = quant.gemm_quantized(x, qw)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.parametrize("name", ["fp8_block", "mxfp4"])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_blocks_cut_by_the_matrix_edge(name, rows):
