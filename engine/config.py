@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -82,8 +83,13 @@ class EngineConfig:
     # v_scale, else 1.0), "token" (computed per token and KV head as they are written), "auto" ("tensor"
     # where the checkpoint has KV scales, else "token").
     kv_cache_scales: str = "auto"
+    # Speculative decoding (engine/spec_decode): vLLM's speculative_config, as a mapping or a
+    # SpeculativeConfig (a mapping is turned into one); None: off.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        from engine.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         self._check(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty string")
         self._check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         self._check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")

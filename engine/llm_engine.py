@@ -23,6 +23,7 @@ from engine.lockstep import BUSY, IDLE, STOP, Lockstep
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.speculator import NgramSpeculator
 from engine.structured_output.manager import StructuredOutputManager, wait_for
 from engine.tokenizer import Tokenizer, eos_ids_from_config
 
@@ -167,11 +168,33 @@ class LLMEngine:
             KVCacheManager(layout, config.enable_prefix_caching), self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_source = random.Random(config.seed)
-        self._run_ahead = getattr(self.executor, "runs_asynchronously", False)
+        self.speculator = self._speculator(layout)
+        # Running a step ahead needs its input before the previous step's tokens are on the host; a
+        # speculating step's drafts follow those tokens, so with speculation each step waits for the last.
+        self._run_ahead = getattr(self.executor, "runs_asynchronously", False) and self.speculator is None
         self._in_flight = None  # (plan, pending output) of a step launched but not yet collected
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
+
+    def _speculator(self, layout: CacheLayout) -> NgramSpeculator | None:
+        """The drafter of config.speculative_config, or None. A verify step that keeps fewer drafts than it
+        ran moves the request's cache position back; the models whose caches cannot move back are refused."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        blockers = []
+        if layout.num_state_slots:
+            blockers.append("a recurrent state per request (linear attention / state-space layers), which a "
+                            "rejected draft would leave advanced")
+        if any(group.window for group in layout.groups):
+            blockers.append("sliding-window caches, whose blocks are released as the window passes")
+        if any(group.ratio != 1 for group in layout.groups):
+            blockers.append("compressed caches (one entry per several tokens)")
+        if blockers:
+            raise ConfigError(f"speculative_config: speculative decoding is not supported for this model yet: it "
+                              f"has {'; and '.join(blockers)}")
+        return NgramSpeculator(spec, self.max_model_len)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer; a dummy-weight model from a bare config.json runs without one."""
@@ -339,8 +362,11 @@ class LLMEngine:
     def update_step(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
         """Token-level bookkeeping (new tokens, EOS, lengths, cached blocks); cheap, done before the
         next step is scheduled."""
-        self.num_generated_tokens_total += len(output.sampled_token_ids)
-        return self.scheduler.update_from_output(scheduled, output)
+        self.num_generated_tokens_total += sum(len(tokens) for tokens in output.sampled_token_ids)
+        updated = self.scheduler.update_from_output(scheduled, output)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        return updated
 
     def process_step(self, updated: list[Request], output: RunnerOutput) -> list[RequestOutput]:
         """Detokenization, stop strings and logprobs; may run while the next step executes."""
@@ -367,6 +393,7 @@ class LLMEngine:
             **(self.lockstep.stats() if self.lockstep is not None else {}),
             **({"expert_load": load} if (load := self.executor.expert_load()) is not None else {}),
             **self.structured_output.stats(),
+            **(self.scheduler.spec_stats() if self.speculator is not None else {}),
         }
 
     def shutdown(self) -> None:

@@ -60,6 +60,10 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     error: str | None = None  # why the request failed alone (its grammar), if it did
+    # Speculative decoding: the drafts for its next step (engine/spec_decode), and about how many of each
+    # step's drafts it has been keeping (a running mean; adaptive drafts follow it).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_mean_accepted: float = -1.0  # -1: no verify step yet
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

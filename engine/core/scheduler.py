@@ -45,6 +45,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._forget_on_runners: set[str] = set()
         self.num_preemptions = 0
+        # Speculative decoding: verify rows (a request's step with drafts), drafts run, drafts kept.
+        self.num_spec_verifies = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -118,7 +122,8 @@ class Scheduler:
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            num_drafts = len(out.spec_token_ids.get(request_id, ()))
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens + num_drafts:
                 if request.grammar is not None:
                     constrained.append(request)
                 request.num_pending_tokens += 1  # this step samples its next token
@@ -167,9 +172,13 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_tokens = min(request.num_tokens_to_compute, self._budget)
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if request.num_tokens_to_compute != 1 or request.num_pending_tokens:
+                drafts = []  # drafts follow the newest token, and only a decode has it as its one input
+            num_tokens = min(request.num_tokens_to_compute + len(drafts), self._budget)
             if num_tokens == 0 or request.will_finish_by_length:
                 continue
+            drafts = drafts[:num_tokens - 1]
             num_old_blocks = [len(group.block_ids) for group in request.groups]
             while not self.block_manager.allocate(request, num_tokens):
                 victim = next(r for r in reversed(self.running) if r.request_id not in out.num_scheduled_tokens)
@@ -185,6 +194,8 @@ class Scheduler:
             out.cached_requests.append(CachedRequestData(
                 request.request_id, new_blocks[0], request.num_computed_tokens, new_blocks[1:]))
             out.num_scheduled_tokens[request.request_id] = num_tokens
+            if drafts:
+                out.spec_token_ids[request.request_id] = drafts
             self._budget -= num_tokens
         return preempted
 
@@ -238,19 +249,42 @@ class Scheduler:
             if request is not None:
                 self.block_manager.cache_computed_blocks(request)
         updated = []
-        for request_id, token_id in zip(output.request_ids, output.sampled_token_ids):
+        for request_id, token_ids in zip(output.request_ids, output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None:  # finished or aborted while the step ran
                 continue
             request.num_pending_tokens -= 1
-            request.append_token(token_id)
+            drafts = scheduled.spec_token_ids.get(request_id)
+            if drafts:
+                self._record_verify(request, len(drafts), len(token_ids) - 1)
             updated.append(request)
-            status, reason = self._check_stop(request, token_id)
-            if status is None and request.grammar is not None:
-                status, reason = self._advance_grammar(request, token_id)
-            if status is not None:
-                self.finish_request(request_id, status, reason)
+            for token_id in token_ids:  # the kept drafts end where a stop condition does
+                request.append_token(token_id)
+                status, reason = self._check_stop(request, token_id)
+                if status is None and request.grammar is not None:
+                    status, reason = self._advance_grammar(request, token_id)
+                if status is not None:
+                    self.finish_request(request_id, status, reason)
+                    break
         return updated
+
+    def _record_verify(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify step kept `num_accepted` of `num_drafts` drafts: the cache positions of the others are
+        stale (they are written over as the request goes on; its blocks stay its own)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.num_spec_verifies += 1
+        self.num_spec_draft_tokens += num_drafts
+        self.num_spec_accepted_tokens += num_accepted
+        mean = request.spec_mean_accepted
+        request.spec_mean_accepted = num_accepted if mean < 0 else 0.7 * mean + 0.3 * num_accepted
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding's counters: verify rows, drafts run and kept, the acceptance rate and the
+        mean number of tokens a verify row emits (kept drafts + 1)."""
+        verifies, drafts, accepted = self.num_spec_verifies, self.num_spec_draft_tokens, self.num_spec_accepted_tokens
+        return {"spec_verifies": verifies, "spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
+                "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+                "spec_mean_accepted_length": 1 + accepted / verifies if verifies else 0.0}
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
@@ -267,6 +301,7 @@ class Scheduler:
         """`request` has left `running`: free its blocks and put it first in line to be recomputed."""
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -50,6 +50,9 @@ class SchedulerOutput:
     # Structured output: the token masks of the rows that sample under a grammar (filled while the forward
     # pass runs; a plan sent to other ranks carries them filled).
     structured_output: StepGrammar | None = None
+    # Speculative decoding: the drafts each verifying request runs after its newest token (its scheduled
+    # count is 1 + len(drafts)); the step samples every drafted position and one more.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -70,9 +73,10 @@ class LogprobsLists:
 
 @dataclass
 class RunnerOutput:
-    """Per sampled request: its token, and logprobs where asked. Only the TP leader returns one."""
+    """Per sampled request: its new tokens (one; with drafts, the kept drafts and the target's next token), and
+    logprobs where asked (one position per new token). Only the TP leader returns one."""
     request_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # one position: the sampled token
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Prompt positions computed this step (a chunk at a time); position i scores prompt token i + 1.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

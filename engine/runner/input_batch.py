@@ -26,6 +26,7 @@ class RunnerRequest:
     pending_step: int = 0  # the step that samples the newest pending token
     group_block_ids: list[list[int]] = field(default_factory=list)  # in the other paged groups, in order
     state_slot: int = -1  # its state-pool slot (-1: none)
+    spec_token_ids: list[int] = field(default_factory=list)  # the drafts of the step being run (none: [])
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +53,8 @@ class HostInputs:
     block_table: np.ndarray  # int32 [seqs, max blocks]
     logits_indices: list[int]
     sampling_requests: list[RunnerRequest]
+    # Rows of logits_indices per sampling request, in order: 1, or 1 + its drafts (a verify step).
+    sampling_rows: list[int] = field(default_factory=list)
     # request id -> (hidden rows, target token ids) for prompt logprobs computed this step
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     # The other paged groups' block tables and slot mappings (entry pos // ratio of each token), in order.
@@ -67,7 +70,8 @@ class HostInputs:
 def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, int], block_size: int,
                         group_ratios: tuple[int, ...] = (1,)) -> HostInputs:
     """Advances each request's num_computed_tokens by its scheduled count. `group_ratios`: tokens per entry
-    of each paged cache group (the first group's table is `block_table`)."""
+    of each paged cache group (the first group's table is `block_table`). A request with drafts
+    (`spec_token_ids`, set for this step) runs its newest token and the drafts, and samples at each."""
     order = sorted((requests[request_id] for request_id in counts), key=lambda r: counts[r.request_id] != 1)
     num_decodes = sum(1 for r in order if counts[r.request_id] == 1)
     total = sum(counts.values())
@@ -78,13 +82,17 @@ def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, in
     slot_mappings = [np.empty(total, dtype=np.int64) for _ in group_ratios]
     starts, seq_lens, computed = [0], [], []
     pending_positions, pending_rows = [], []
-    logits_indices, sampling_requests, prompt_rows = [], [], {}
+    logits_indices, sampling_requests, sampling_rows, prompt_rows = [], [], [], {}
     for index, request in enumerate(order):
         n, start, begin = counts[request.request_id], request.num_computed_tokens, starts[-1]
         end = begin + n
-        known = request.token_ids[start:start + n]
+        drafts = request.spec_token_ids
+        known = request.token_ids[start:start + n - len(drafts)]
         input_ids[begin:begin + len(known)] = known
-        if len(known) < n:  # the chunk ends with the newest token, still on the device (older pending
+        if drafts:
+            assert len(known) == 1 and not request.num_pending, (request.request_id, len(known), request.num_pending)
+            input_ids[begin + 1:end] = drafts
+        elif len(known) < n:  # the chunk ends with the newest token, still on the device (older pending
             # tokens were inputs of earlier steps: their KV is written, only their ids are on their way)
             assert request.num_pending >= 1 and len(known) == n - 1, (request.request_id, request.num_pending)
             pending_positions.append(end - 1)
@@ -104,11 +112,13 @@ def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, in
         starts.append(end)
         computed.append(start)
         seq_lens.append(start + n)
-        if start + n == request.num_tokens:
-            logits_indices.append(end - 1)
+        if start + n == request.num_tokens + len(drafts):
+            logits_indices.extend(range(end - 1 - len(drafts), end))
             sampling_requests.append(request)
+            sampling_rows.append(1 + len(drafts))
         request.num_computed_tokens += n
     return HostInputs(order, num_decodes, input_ids, pending_positions, pending_rows, positions, slot_mappings[0],
-                      starts, seq_lens, computed, tables[0], logits_indices, sampling_requests, prompt_rows,
+                      starts, seq_lens, computed, tables[0], logits_indices, sampling_requests, sampling_rows,
+                      prompt_rows,
                       group_tables=tables[1:], group_slot_mappings=slot_mappings[1:],
                       state_slots=[r.state_slot for r in order])

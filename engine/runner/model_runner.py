@@ -30,6 +30,7 @@ from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
 from engine.runner.model_facts import format_op_table, model_facts
+from engine.spec_decode.verify import num_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +42,17 @@ def _granularities(layer: KVCacheLayer) -> tuple[str, ...]:
 
 class PendingOutput:
     """A launched step. `result()` waits for its sampled ids, records them (after those of every earlier
-    step) in the runner's request state, and returns the RunnerOutput (None on non-leader ranks)."""
+    step) in the runner's request state, and returns the RunnerOutput (None on non-leader ranks).
+
+    `rows`: the sampled rows of each request (1; 1 + drafts for a verify step, whose kept drafts and next
+    token are found when the ids reach the host, the same on every rank); `logprobs`: of every row."""
 
     def __init__(self, runner: "ModelRunner", step: int, output: RunnerOutput, requests: list[RunnerRequest],
-                 sampled_host: torch.Tensor | None, event) -> None:
+                 sampled_host: torch.Tensor | None, event, rows: list[int] | None = None,
+                 logprobs: LogprobsLists | None = None) -> None:
         self._runner, self.step, self._output, self._requests = runner, step, output, requests
         self._sampled_host, self._event = sampled_host, event
+        self._rows, self._logprobs = rows, logprobs
         self.done = False
 
     @property
@@ -67,10 +73,22 @@ class PendingOutput:
         self.wait()
         if self._sampled_host is not None:
             ids = self._sampled_host.tolist()
-            self._output.sampled_token_ids = ids
-            for request, token_id in zip(self._requests, ids):
-                request.token_ids.append(token_id)
+            output, first = self._output, 0
+            for request, rows in zip(self._requests, self._rows):
+                sampled = ids[first:first + rows]
+                drafts = request.spec_token_ids
+                kept = num_accepted(sampled, drafts) if drafts else 0
+                new = sampled[:kept + 1]
+                output.sampled_token_ids.append(new)
+                request.token_ids.extend(new)
                 request.num_pending -= 1
+                if drafts:  # the rejected drafts' cache positions are stale, written over later
+                    request.num_computed_tokens -= len(drafts) - kept
+                    request.spec_token_ids = []
+                num_top = request.params.logprobs
+                if self._logprobs is not None and num_top is not None:
+                    output.logprobs[request.request_id] = _slice_logprobs(self._logprobs, first, len(new), num_top)
+                first += rows
         self.done = True
 
 
@@ -314,21 +332,24 @@ class ModelRunner:
             if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # else every row, in order
                 selected = hidden[self._to_device(np.asarray(rows))]
             logits = self.model.compute_logits(selected)
-            sampled, logprobs = self.sampler(logits, self._sampling_batch(host.sampling_requests, grammar))
+            sampled, logprobs = self.sampler(logits, self._sampling_batch(host.sampling_requests, host.sampling_rows,
+                                                                          grammar))
             self._last_sampled = sampled
-            for row, request in enumerate(host.sampling_requests):
+            first = 0
+            for request, rows in zip(host.sampling_requests, host.sampling_rows):
                 request.num_pending += 1
-                request.pending_row, request.pending_step = row, self._step
+                # (a verify step's pending token is not one row: the engine collects such steps before the next)
+                request.pending_row, request.pending_step = (first if rows == 1 else -1), self._step
                 output.request_ids.append(request.request_id)
-                if logprobs is not None and request.params.logprobs is not None:
-                    output.logprobs[request.request_id] = _slice_logprobs(logprobs, row, request.params.logprobs)
+                first += rows
             sampled_host, event = self._to_host(sampled)
         for request_id, (rows, targets) in host.prompt_logprob_rows.items():
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             num_top = self.requests[request_id].params.prompt_logprobs
             output.prompt_logprobs[request_id] = compute_logprobs(
                 logits, torch.tensor(targets, device=self.device), num_top)
-        return self._track(PendingOutput(self, self._step, output, host.sampling_requests, sampled_host, event))
+        return self._track(PendingOutput(self, self._step, output, host.sampling_requests, sampled_host, event,
+                                         host.sampling_rows, logprobs if host.sampling_requests else None))
 
     def _track(self, pending: PendingOutput) -> PendingOutput:
         self._unresolved.append(pending)
@@ -399,6 +420,8 @@ class ModelRunner:
             if new.state_slot >= 0:  # a fresh state: admitted, or re-admitted after a preemption
                 for tensor in self.state_tensors:
                     tensor[new.state_slot].zero_()
+        for request_id, drafts in scheduled.spec_token_ids.items():
+            self.requests[request_id].spec_token_ids = list(drafts)
         for cached in scheduled.cached_requests:
             request = self.requests[cached.request_id]
             assert request.num_computed_tokens == cached.num_computed_tokens, (
@@ -454,21 +477,28 @@ class ModelRunner:
         )
         return self.attn_backend.build_metadata(common, self.block_size)
 
-    def _sampling_batch(self, requests: list[RunnerRequest], grammar=None) -> SamplingBatch:
-        params, seeds, prompts, outputs, suppressed = [], [], [], [], []
-        for request in requests:
+    def _sampling_batch(self, requests: list[RunnerRequest], rows: list[int], grammar=None) -> SamplingBatch:
+        """One row per sampled position: a verify step's row j draws output position (outputs so far + j) as
+        a step without speculation would, its drafts before it counting as outputs (penalties, min_tokens,
+        the seed of that position: engine/spec_decode/verify.py)."""
+        params, seeds, prompts, outputs, suppressed, row_ids = [], [], [], [], [], []
+        for request, num_rows in zip(requests, rows):
             p = request.params
-            num_outputs = request.num_output_tokens  # pending tokens count: seeds match synchronous runs
-            params.append(p)
-            seeds.append(step_seed(p.seed or 0, num_outputs))
             needs_history = p.has_penalties
-            prompts.append(request.token_ids[:request.num_prompt_tokens] if needs_history else [])
-            outputs.append(request.token_ids[request.num_prompt_tokens:] if needs_history else [])
-            if num_outputs < p.min_tokens:
-                suppressed.append(sorted(set(p.stop_token_ids) | self.eos_token_ids))
-            else:
-                suppressed.append([])
-        bitmask = grammar.rows_for([r.request_id for r in requests]) if grammar is not None else None
+            prompt = request.token_ids[:request.num_prompt_tokens] if needs_history else []
+            history = request.token_ids[request.num_prompt_tokens:] if needs_history else []
+            for j in range(num_rows):
+                num_outputs = request.num_output_tokens + j  # pending tokens count: seeds match synchronous runs
+                params.append(p)
+                seeds.append(step_seed(p.seed or 0, num_outputs))
+                prompts.append(prompt)
+                outputs.append(history + request.spec_token_ids[:j] if needs_history else [])
+                if num_outputs < p.min_tokens:
+                    suppressed.append(sorted(set(p.stop_token_ids) | self.eos_token_ids))
+                else:
+                    suppressed.append([])
+                row_ids.append(request.request_id)
+        bitmask = grammar.rows_for(row_ids) if grammar is not None else None
         return SamplingBatch(params, seeds, prompts, outputs, suppressed, bitmask)
 
     def release(self) -> None:
@@ -493,5 +523,7 @@ class ModelRunner:
         self.model = None
 
 
-def _slice_logprobs(lists: LogprobsLists, row: int, num_top: int) -> LogprobsLists:
-    return LogprobsLists([lists.token_ids[row][:num_top + 1]], [lists.logprobs[row][:num_top + 1]], [lists.ranks[row]])
+def _slice_logprobs(lists: LogprobsLists, row: int, num_rows: int, num_top: int) -> LogprobsLists:
+    rows = range(row, row + num_rows)
+    return LogprobsLists([lists.token_ids[r][:num_top + 1] for r in rows], [lists.logprobs[r][:num_top + 1] for r in rows],
+                         [lists.ranks[r] for r in rows])

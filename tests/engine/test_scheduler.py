@@ -26,7 +26,7 @@ def step(scheduler, token=7):
     scheduled = scheduler.schedule()
     sampled = [rid for rid in scheduled.num_scheduled_tokens
                if scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens]
-    scheduler.update_from_output(scheduled, RunnerOutput(sampled, [token] * len(sampled)))
+    scheduler.update_from_output(scheduled, RunnerOutput(sampled, [[token]] * len(sampled)))
     return scheduled
 
 

@@ -170,7 +170,7 @@ def test_finish_abort_and_preemption_leave_no_blocks_behind():
         scheduled = scheduler.schedule()
         sampled = [rid for rid in scheduled.num_scheduled_tokens
                    if scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens]
-        scheduler.update_from_output(scheduled, RunnerOutput(sampled, [7] * len(sampled)))
+        scheduler.update_from_output(scheduled, RunnerOutput(sampled, [[7]] * len(sampled)))
         for request in scheduler.running:
             for group in manager.managers:  # a running request holds a reference to each block it reads
                 blocks = request.groups[group.group]

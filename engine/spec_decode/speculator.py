@@ -1,0 +1,62 @@
+"""The engine's side of speculative decoding: after each step, drafts for the requests that decode next
+(the scheduler runs them with their newest token in one verify step)."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.core.request import Request, RequestStatus
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import propose_ngram
+
+
+class NgramSpeculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        # request id -> (its tokens as an array with room to grow, how many are filled): no list -> array
+        # conversion of the whole context per step.
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}
+
+    def num_drafts(self, request: Request) -> int:
+        """How many tokens to draft for `request`: num_speculative_tokens, fewer where the request has been
+        keeping fewer (adaptive: its mean kept drafts + 1, all again once it keeps them all), and never past
+        its max_tokens or the context length (a verify step appends at most drafts + 1 tokens)."""
+        k = self.config.num_speculative_tokens
+        if self.config.adaptive and request.spec_mean_accepted >= 0:
+            k = min(k, int(request.spec_mean_accepted) + 1)
+        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        return max(0, min(k, room))
+
+    def propose(self, running: list[Request]) -> None:
+        """Drafts into `spec_token_ids` of each running request that decodes next; none while more than
+        disable_by_batch_size requests run, or for a request under a grammar (its matcher would have to take
+        and give back each draft: not built yet)."""
+        limit = self.config.disable_by_batch_size
+        enabled = limit is None or len(running) <= limit
+        live = set()
+        for request in running:
+            live.add(request.request_id)
+            request.spec_token_ids = []
+            if (not enabled or request.status is not RequestStatus.RUNNING or request.grammar is not None
+                    or request.num_tokens_to_compute != 1 or request.num_pending_tokens):
+                continue
+            k = self.num_drafts(request)
+            if k:
+                request.spec_token_ids = propose_ngram(self._array(request), self.config.prompt_lookup_min,
+                                                       self.config.prompt_lookup_max, k)
+        for request_id in [r for r in self._tokens if r not in live]:
+            del self._tokens[request_id]
+
+    def _array(self, request: Request) -> np.ndarray:
+        array, filled = self._tokens.get(request.request_id, (None, 0))
+        tokens = request.token_ids
+        if array is None or len(array) < len(tokens):
+            grown = np.empty(max(2 * len(tokens), 64), dtype=np.int64)
+            if array is not None:
+                grown[:filled] = array[:filled]
+            array = grown
+        if filled > len(tokens):  # not expected (tokens only grow); start over
+            filled = 0
+        array[filled:len(tokens)] = tokens[filled:]
+        self._tokens[request.request_id] = (array, len(tokens))
+        return array[:len(tokens)]
