@@ -1,5 +1,6 @@
 """Constraints as llguidance grammars, and their checks: the library's own (which names the keywords it does not
-implement) and ours for the JSON-schema keywords it would accept without enforcing them.
+implement) and ours for the JSON-schema keywords it would accept without enforcing them. A constraint after a
+thinking model's reasoning is the same grammar, named by a first one that lets free text run to the reasoning's end.
 
 llguidance was chosen by measurement (docs/ARCHITECTURE.md, "Structured output"): its grammars are ready in
 about a millisecond where xgrammar's compile takes seconds for real-world schemas, and it refuses, by name, the
@@ -72,6 +73,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for `params` (not yet checked: see `check_grammar`). Whatever the library
     cannot take (a value it cannot serialize, such as a lone surrogate in a schema) is a StructuredOutputError
     naming the field, never a bare ValueError."""
+    constraint = constraint_grammar_text(params)
+    return constraint if params.reasoning_end is None else with_reasoning(constraint, params)
+
+
+def constraint_grammar_text(params: StructuredOutputsParams) -> str:
+    """The grammar of the constraint alone, the reasoning before it left out."""
     try:
         return _grammar_text(params)
     except StructuredOutputError:
@@ -112,21 +119,80 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
                                     "structured_outputs.grammar") from None
 
 
+# ---- reasoning before the constraint ----------------------------------------------------------------------------
+REASONING_GRAMMAR = "reasoning_then_constraint"
+CONSTRAINT_GRAMMAR = "constraint"
+# Whitespace the output may write between the reasoning's end and the constraint ("</think>\n\n{...}"): the
+# reasoning parsers drop it as layout. Bounded, so that a model cannot stall in it.
+MAX_LAYOUT_CHARS = 4
+
+
+def with_reasoning(constraint: str, params: StructuredOutputsParams) -> str:
+    """`constraint` (an llguidance grammar: Lark text, or the JSON of a top-level grammar) preceded by free
+    reasoning that runs up to and including the first `reasoning_end`: a top-level grammar whose first grammar
+    (where matching starts) is the reasoning, and which names the constraint's own grammar unchanged (`@name`).
+    In text the end is the first place the tag appears (a lazy lexeme); as a special token, the token itself,
+    which no text can stand for. End of sequence is refused until the constraint is complete."""
+    if constraint.lstrip().startswith("{"):
+        top = json.loads(constraint)
+    else:
+        top = {"grammars": [{"lark_grammar": constraint}], "max_tokens": None}
+    assert len(top["grammars"]) == 1, top["grammars"]  # each kind makes one grammar: nothing refers by index
+    first = top["grammars"][0]
+    first["name"] = first.get("name") or CONSTRAINT_GRAMMAR
+    assert first["name"] != REASONING_GRAMMAR
+    start, end = params.reasoning_start, params.reasoning_end
+    if params.reasoning_tags_are_special_tokens:  # grammars name special tokens as <...>, outside any lexeme
+        reasoning = f"{start or ''} thought {end}".strip()
+        thought = "thought: /(?s:.*)/"
+    else:
+        reasoning = f"{_literal(start) if start else ''} thought".strip()
+        thought = f"thought[lazy]: /(?s:.*){_regex_escape(end)}/"  # `lazy`: ends at the tag's first appearance
+    lark = "\n".join([
+        f"start: reasoning{'?' if start else ''} @{first['name']}",
+        f"reasoning: {reasoning} layout?",
+        thought,
+        rf"layout: /[ \t\r\n]{{1,{MAX_LAYOUT_CHARS}}}/",
+    ])
+    top["grammars"].insert(0, {"name": REASONING_GRAMMAR, "lark_grammar": lark})
+    return json.dumps(top)
+
+
+def _regex_escape(text: str) -> str:
+    """`text` as a literal inside a Lark regex (`/.../`, Rust's regex syntax): ASCII letters and digits as they are,
+    every other character as its code point (Python's re.escape puts a backslash before `<`, which Rust's
+    regex reads as a word boundary)."""
+    return "".join(char if char.isascii() and char.isalnum() else f"\\x{{{ord(char):X}}}" for char in text)
+
+
+def _literal(text: str) -> str:
+    return f"/{_regex_escape(text)}/"
+
+
 def check_grammar(params: StructuredOutputsParams) -> None:
-    """Raises StructuredOutputError naming what is wrong with the constraint, in the library's words. Checks
-    are remembered per constraint (a few milliseconds at worst for large schemas; usually under 0.1 ms)."""
-    error = _CHECKED.get_or_make(params.key, lambda: _check(params)) if params.cacheable else _check(params)
+    """Raises StructuredOutputError naming what is wrong with the constraint, in the library's words, then
+    with the reasoning before it. Checks are remembered per constraint (a few milliseconds at worst for large
+    schemas; usually under 0.1 ms)."""
+    error = _checked(params.constraint_key, params, _check_constraint)
     if error:
         raise StructuredOutputError(error, f"structured_outputs.{params.kind}")
+    if params.reasoning_end is not None:
+        error = _checked(params.key, params, _check_with_reasoning)
+        if error:
+            raise StructuredOutputError(error, "structured_outputs.reasoning_end")
 
 
 _CHECKED: LRUCache[str] = LRUCache(256)  # constraint key -> error message ("" if none)
 
 
-def _check(params: StructuredOutputsParams) -> str:
+def _checked(key: tuple, params: StructuredOutputsParams, check) -> str:
+    return _CHECKED.get_or_make(key, lambda: check(params)) if params.cacheable else check(params)
+
+
+def _check_constraint(params: StructuredOutputsParams) -> str:
     from llguidance import LLMatcher
     try:
-        grammar = grammar_text(params)
+        grammar = constraint_grammar_text(params)
     except StructuredOutputError as exc:
         return str(exc)
     error = LLMatcher.validate_grammar(grammar, None)
@@ -135,3 +201,12 @@ def _check(params: StructuredOutputsParams) -> str:
     what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice list",
             "grammar": "grammar"}[params.kind]
     return f"the {what} in structured_outputs.{params.kind} is not supported or not valid: {error.strip()}"
+
+
+def _check_with_reasoning(params: StructuredOutputsParams) -> str:
+    """The constraint is valid: what is left to go wrong is the reasoning's tags."""
+    from llguidance import LLMatcher
+    error = LLMatcher.validate_grammar(grammar_text(params), None)
+    tags = f"reasoning_start {params.reasoning_start!r}, " if params.reasoning_start is not None else ""
+    return (f"the reasoning before the constraint ({tags}reasoning_end {params.reasoning_end!r}) cannot be used: "
+            f"{error.strip()}") if error else ""

@@ -1,10 +1,12 @@
 """What a request asks its output to be (vLLM's `StructuredOutputsParams` names): a JSON schema, any JSON object,
-a regex, one of a list of strings, or a grammar. Checked once at construction, the grammar library included
-(engine/structured_output/grammar.py), so every door that builds a SamplingParams refuses the same requests."""
+a regex, one of a list of strings, or a grammar; for a thinking model, that after its free reasoning. Checked once
+at construction, the grammar library included (engine/structured_output/grammar.py), so every door that builds a
+SamplingParams refuses the same requests."""
 from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, fields
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -12,6 +14,9 @@ MAX_CHOICES = 1024
 # Constraints longer than this (as text) are checked and compiled each time rather than cached: a cache of a few
 # hundred entries must not hold a few hundred request bodies of megabytes.
 MAX_CACHED_SPEC_CHARS = 1 << 16
+REASONING_FIELDS = ("reasoning_start", "reasoning_end")
+# How llguidance's grammars name a special token: its text, which must read `<...>` (no `[`: `<[12]>` is an id).
+SPECIAL_TOKEN_NAME = re.compile(r"<[^<>\s\[][^<>\s]*>")
 
 
 class StructuredOutputError(ValueError):
@@ -34,6 +39,15 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
     disable_additional_properties: bool = False
+    # Free reasoning before the constraint (a thinking model's): the output reasons until `reasoning_end` (the
+    # text that closes its reasoning, "</think>"), then follows the constraint. With `reasoning_start` ("<think>")
+    # the output either opens its reasoning with it or skips reasoning and follows the constraint at once;
+    # without it the output starts inside the reasoning (the prompt opened it). With
+    # `reasoning_tags_are_special_tokens` the tags are matched as those special tokens of the vocabulary rather
+    # than as text (llguidance lets a special token through only where a grammar names it).
+    reasoning_start: str | None = None
+    reasoning_end: str | None = None
+    reasoning_tags_are_special_tokens: bool = False
 
     @classmethod
     def from_value(cls, value) -> "StructuredOutputsParams":
@@ -81,10 +95,16 @@ class StructuredOutputsParams:
         return "" if self.kind == "json_object" else getattr(self, self.kind)
 
     @property
-    def key(self) -> tuple:
-        """What identifies the compiled grammar (its cache key)."""
+    def constraint_key(self) -> tuple:
+        """What identifies the constraint itself, the reasoning before it left out."""
         return (self.kind, self.spec_text, self.disable_any_whitespace, self.whitespace_pattern,
                 self.disable_additional_properties)
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (its cache key)."""
+        return (*self.constraint_key, self.reasoning_start, self.reasoning_end,
+                self.reasoning_tags_are_special_tokens)
 
     @property
     def cacheable(self) -> bool:
@@ -128,3 +148,27 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise StructuredOutputError("structured_outputs.whitespace_pattern must be a regex string",
                                         "structured_outputs.whitespace_pattern")
+        self._check_reasoning()
+
+    def _check_reasoning(self) -> None:
+        for name in REASONING_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise StructuredOutputError(f"structured_outputs.{name} must be a non-empty string (the text of a "
+                                            "reasoning tag) or unset", f"structured_outputs.{name}")
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise StructuredOutputError("structured_outputs.reasoning_start needs reasoning_end: the constraint "
+                                        "starts where the reasoning ends", "structured_outputs.reasoning_start")
+        special = self.reasoning_tags_are_special_tokens
+        if not isinstance(special, bool):
+            raise StructuredOutputError("structured_outputs.reasoning_tags_are_special_tokens must be true or false",
+                                        "structured_outputs.reasoning_tags_are_special_tokens")
+        if special and self.reasoning_end is None:
+            raise StructuredOutputError("structured_outputs.reasoning_tags_are_special_tokens needs reasoning_end",
+                                        "structured_outputs.reasoning_tags_are_special_tokens")
+        for name in REASONING_FIELDS if special else ():
+            value = getattr(self, name)
+            if value is not None and not SPECIAL_TOKEN_NAME.fullmatch(value):
+                raise StructuredOutputError(f"structured_outputs.{name} {value!r} cannot name a special token: "
+                                            "special tokens are matched by their text, which must read <...> "
+                                            "without whitespace", f"structured_outputs.{name}")
