@@ -91,8 +91,8 @@ def test_a_few_whitespace_characters_may_sit_between_the_end_tag_and_the_answer(
 @pytest.mark.parametrize("tag, look_alike", [("◁/think▷", "◁think▷"), ("[END.]", "[ENDx]"), ("a/b\\c", "a/bc")])
 def test_tags_are_matched_as_written_whatever_their_characters(manager, encode, tag, look_alike):
     assert completes(compiled(manager, choice=["ok"], reasoning_end=tag), encode(f"x{look_alike}y{tag}ok"))
-    assert not compiled(manager, choice=["ok"], reasoning_end=tag).accept_tokens(encode(f"x{look_alike}ok")) \
-        or not compiled(manager, choice=["ok"], reasoning_end=tag).is_accepting
+    look_alike_only = compiled(manager, choice=["ok"], reasoning_end=tag)
+    assert look_alike_only.accept_tokens(encode(f"x{look_alike}ok")) and not look_alike_only.is_accepting
 
 
 def test_special_token_tags_are_matched_as_those_tokens_only(manager, encode):
@@ -101,8 +101,8 @@ def test_special_token_tags_are_matched_as_those_tokens_only(manager, encode):
     assert encode("<filename>") != encode("<file") + encode("name>")
     assert completes(compiled(manager, json=ANSWER, **tags), encode('<reponame>Hm.<filename>{"answer": "yes"}'))
     spelled = compiled(manager, json=ANSWER, **tags)
-    assert spelled.accept_tokens(encode("<reponame>Hm.") + encode("<file") + encode("name>") + encode('{"answer": '))
-    assert not spelled.is_accepting
+    spelled_text = encode("<reponame>Hm.") + encode("<file") + encode("name>") + encode('{"answer": "yes"}')
+    assert spelled.accept_tokens(spelled_text) and not spelled.is_accepting  # still reasoning
     as_text = compiled(manager, json=ANSWER, reasoning_end="<filename>")
     assert not as_text.accept_tokens(encode("Hm.<filename>"))  # a special token is no text: the grammar refuses it
 
@@ -116,7 +116,8 @@ def test_special_token_tags_are_matched_as_those_tokens_only(manager, encode):
     ({"reasoning_tags_are_special_tokens": True}, "structured_outputs.reasoning_tags_are_special_tokens"),
     ({"reasoning_end": "</think>", "reasoning_tags_are_special_tokens": "yes"},
      "structured_outputs.reasoning_tags_are_special_tokens"),
-    ({"reasoning_end": "end of thought", "reasoning_tags_are_special_tokens": True}, "structured_outputs.reasoning_end"),
+    ({"reasoning_end": "end of thought", "reasoning_tags_are_special_tokens": True},
+     "structured_outputs.reasoning_end"),
 ])
 def test_bad_reasoning_fields_are_refused_naming_the_field(fields, param):
     with pytest.raises(StructuredOutputError) as raised:
