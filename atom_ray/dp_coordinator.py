@@ -21,6 +21,7 @@ import logging
 from collections import OrderedDict
 
 from engine.config import EngineConfig
+from engine.core.scheduler import spec_rates
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 
@@ -163,6 +164,8 @@ class DPCoordinator(ClientOutboxes):
             total["kv_cache_usage"] = 1.0 - total.get("num_free_kv_blocks", 0) / total["num_kv_blocks"]
         if total.get("num_state_slots"):
             total["state_slot_usage"] = 1.0 - total.get("num_free_state_slots", 0) / total["num_state_slots"]
+        if "spec_verifies" in total:  # rates are not sums
+            total.update(spec_rates(total))
         total["dp_ranks"] = ranks
         loads = [stats["expert_load"] for stats in self._rank_stats if stats.get("expert_load")]
         if loads:

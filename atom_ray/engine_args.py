@@ -20,6 +20,16 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
@@ -32,8 +42,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if hint is bool:
             group.add_argument(flag, type=_parse_bool, default=None, metavar="BOOL",
                                help=f"(default: {default})")
-        elif hint is dict:
-            group.add_argument(flag, type=json.loads, default=None, metavar="JSON", help="(JSON object)")
+        elif hint is dict or hint is typing.Any:  # mappings (hf_overrides, speculative_config)
+            group.add_argument(flag, type=_json_object, default=None, metavar="JSON", help="(JSON object)")
         else:
             base = int if "int" in str(hint) else float if "float" in str(hint) else str
             group.add_argument(flag, type=base, default=None, help=f"(default: {default})")

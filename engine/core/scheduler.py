@@ -281,10 +281,9 @@ class Scheduler:
     def spec_stats(self) -> dict:
         """Speculative decoding's counters: verify rows, drafts run and kept, the acceptance rate and the
         mean number of tokens a verify row emits (kept drafts + 1)."""
-        verifies, drafts, accepted = self.num_spec_verifies, self.num_spec_draft_tokens, self.num_spec_accepted_tokens
-        return {"spec_verifies": verifies, "spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
-                "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
-                "spec_mean_accepted_length": 1 + accepted / verifies if verifies else 0.0}
+        return spec_rates({"spec_verifies": self.num_spec_verifies, "spec_draft_tokens": self.num_spec_draft_tokens,
+                           "spec_accepted_tokens": self.num_spec_accepted_tokens})
+
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
@@ -308,3 +307,12 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.finished_request_ids.add(request.request_id)
         out.num_scheduled_tokens.pop(request.request_id, None)
+
+
+def spec_rates(counters: dict) -> dict:
+    """`counters` (spec_verifies, spec_draft_tokens, spec_accepted_tokens: one engine's, or sums over DP
+    ranks) with the rates that follow from them."""
+    verifies, drafts, accepted = (counters["spec_verifies"], counters["spec_draft_tokens"],
+                                  counters["spec_accepted_tokens"])
+    return {**counters, "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+            "spec_mean_accepted_length": 1 + accepted / verifies if verifies else 0.0}

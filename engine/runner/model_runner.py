@@ -53,6 +53,7 @@ class PendingOutput:
         self._runner, self.step, self._output, self._requests = runner, step, output, requests
         self._sampled_host, self._event = sampled_host, event
         self._rows, self._logprobs = rows, logprobs
+        self.verifies = any(request.spec_token_ids for request in requests)
         self.done = False
 
     @property
@@ -303,7 +304,12 @@ class ModelRunner:
     def execute_async(self, scheduled: SchedulerOutput) -> PendingOutput:
         """Launch a step, possibly before earlier steps' ids reached the host. Earlier steps are waited
         for only where this one needs them: a request with penalties (token history on the host), or
-        whose newest pending token is older than the latest step (its input can only come from there)."""
+        whose newest pending token is older than the latest step (its input can only come from there); and
+        all of them around a verify step: drafts follow a request's newest token on the host, and how many an
+        earlier verify step kept moves the cache positions that this plan's counts already follow (a TP peer
+        launches a plan before recording the previous step)."""
+        if scheduled.spec_token_ids or any(pending.verifies for pending in self._unresolved):
+            self.resolve_until(self._step)
         self._update_states(scheduled)
         self._step += 1
         if scheduled.is_empty:
