@@ -44,8 +44,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             raise bad_request("The messages render to an empty prompt", "messages")
         ctx.check_context(len(token_ids), max_tokens, "messages",
                           "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        reader = ChatOutputReader(parsers or ChatParsers(), tools, params, tokenizer, prompt,
-                                  body.chat_template_kwargs)
+        reader_args = (parsers or ChatParsers(), tools, params, tokenizer, prompt, body.chat_template_kwargs)
+        if getattr(params, "structured_outputs", None) is not None:  # a constraint after the reasoning is checked
+            reader = await asyncio.to_thread(ChatOutputReader, *reader_args)
+        else:
+            reader = ChatOutputReader(*reader_args)
         response = _ChatResponder(ctx, body, len(token_ids), f"chatcmpl-{uuid.uuid4().hex}", reader)
         return await ctx.run(ticket, raw_request, arrival_time, [token_ids], reader.params, response.id, body.stream,
                              response.full, response.events)

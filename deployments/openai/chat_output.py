@@ -1,8 +1,10 @@
 """How a chat choice's output becomes the assistant message: the reasoning parser splits off
 `reasoning_content`, then the tool parser reads `tool_calls` from the answer (tool_choice auto), or the JSON
-readers below read the forced output of `required` and named choices (tool_calls.py). Each choice is read as
-a stream of text pieces; the whole message is that stream's deltas added up, so a streamed response and a
-whole one always agree. Text that does not form a call stays content: a malformed output is never an error."""
+readers below read the forced output of `required` and named choices (tool_calls.py). A constrained output
+(those choices, response_format) of a thinking model reasons first: its constraint starts after the reasoning's
+end tag (structured_output.after_reasoning), and only the answer after it is read as the JSON. Each choice is
+read as a stream of text pieces; the whole message is that stream's deltas added up, so a streamed response and
+a whole one always agree. Text that does not form a call stays content: a malformed output is never an error."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +14,7 @@ from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 
 from .reasoning_parsers import ReasoningParser, reasoning_parser_class, reasoning_parser_names
+from .structured_output import after_reasoning
 from .tool_calls import ToolPlan
 from .tool_parsers import DeltaMessage, ToolParser, collect, tool_parser_class, tool_parser_names
 from .tool_parsers.json_calls import JsonCallParser, read_call_header
@@ -58,7 +61,9 @@ class MessageParts:
 class ChatOutputReader:
     """Reads the choices of one chat request. `active` is False when nothing is parsed: the plain text is
     then the answer, as without tools. `params` are the request's sampling parameters as the parsers need
-    them: markers that are special tokens in many vocabularies are kept in the text."""
+    them: markers that are special tokens in many vocabularies are kept in the text, and a constraint starts
+    after the reasoning where the prompt leaves the output reasoning to write (checking the grammar this
+    makes may take milliseconds: build a constrained request's reader off the event loop)."""
 
     def __init__(self, parsers: ChatParsers, plan: ToolPlan, params: SamplingParams, tokenizer,
                  prompt: str | None = None, chat_template_kwargs: dict | None = None) -> None:
@@ -67,10 +72,15 @@ class ChatOutputReader:
         self.prompt = prompt
         self.chat_template_kwargs = chat_template_kwargs
         self.tool_parser = parsers.tool_parser if plan.mode == "auto" else None
-        # A constrained output is the constraint's from its first token: there is no reasoning in it to read.
-        constrained = plan.constraint is not None or getattr(params, "structured_outputs", None) is not None
         reads_reasoning = self.tool_parser is not None and self.tool_parser.reads_reasoning
-        self.reasoning_parser = (parsers.reasoning_parser if not constrained and not reads_reasoning else None)
+        reasoning_parser = parsers.reasoning_parser if not reads_reasoning else None
+        self.constrained = plan.constraint is not None or getattr(params, "structured_outputs", None) is not None
+        if self.constrained and reasoning_parser is not None:
+            params = after_reasoning(params, reasoning_parser(prompt, chat_template_kwargs), tokenizer)
+            constraint = getattr(params, "structured_outputs", None)
+            if constraint is None or constraint.reasoning_end is None:
+                reasoning_parser = None  # the constraint holds from the first token: there is no reasoning to read
+        self.reasoning_parser = reasoning_parser
         self.active = plan.mode in ("required", "named") or self.tool_parser is not None \
             or self.reasoning_parser is not None
         needs_special_tokens = self.reasoning_parser is not None or (
@@ -87,7 +97,8 @@ class ChatOutputReader:
             tools = RequiredCallsReader(self.plan.tools)
         else:
             tools = self.tool_parser(self.plan.tools) if self.tool_parser is not None else None
-        reasoning = (self.reasoning_parser(self.prompt, self.chat_template_kwargs)
+        # Under a constraint the grammar ends the reasoning at its end tag only: so does the parser.
+        reasoning = (self.reasoning_parser(self.prompt, self.chat_template_kwargs, end_tag_only=self.constrained)
                      if self.reasoning_parser is not None else None)
         return ChoiceReader(reasoning, tools, None if self.plan.parallel_tool_calls else 1)
 
@@ -198,7 +209,8 @@ class ChoiceReader:
 
 class NamedCallReader(ToolParser):
     """The output of a named tool_choice: the named function's arguments object, as written (the constraint
-    makes it one). The call starts at once; each piece of text is an argument fragment."""
+    makes it one). The call starts with the object's first character (whitespace before it is layout; an
+    output cut in its reasoning has no call); each piece of text is an argument fragment."""
     name = "named"
     needs_special_tokens = False
 
@@ -209,11 +221,9 @@ class NamedCallReader(ToolParser):
 
     def _read_arguments(self) -> bool:
         if not self._num_calls:
-            self._begin_call(self.function_name)
-            self._started = False
-        if not self._started:  # whitespace the constraint allows before the object is layout
             self._consume(len(self._buffer) - len(self._buffer.lstrip()))
-            self._started = bool(self._buffer)
+            if self._buffer:
+                self._begin_call(self.function_name)
         if not self._buffer:
             return False
         self._emit_arguments(self._consume(len(self._buffer)))

@@ -1,9 +1,12 @@
 """Structured output over HTTP: OpenAI's `response_format`, vLLM's `structured_outputs` object and its older
 `guided_*` fields, each turned into the engine's StructuredOutputsParams (at most one constraint a request),
-with errors naming the field the client sent."""
+with errors naming the field the client sent; for a thinking model, the constraint starts after its reasoning."""
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParamsError
+import dataclasses
+
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.structured_output.params import SPECIAL_TOKEN_NAME
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
@@ -58,3 +61,31 @@ def request_field(request, engine_param: str, constraint_field: str) -> str:
     if option == "whitespace_pattern" and request.guided_whitespace_pattern is not None:
         return "guided_whitespace_pattern"
     return engine_param
+
+
+def after_reasoning(params: SamplingParams, reasoning, tokenizer) -> SamplingParams:
+    """`params` whose constraint (response_format, a forced tool call) starts after the output's reasoning, so
+    that a thinking model reasons before its constrained answer, as vLLM has it. `reasoning` is the output's
+    reasoning parser, which read the rendered prompt: the output starts inside its reasoning, may open it, or
+    has none (thinking switched off). Unchanged without a constraint or reasoning, and where the tags cannot be
+    matched as the vocabulary has them (one a special token and the other not, or a special token that does
+    not read `<...>`: no family's)."""
+    constraint = getattr(params, "structured_outputs", None)
+    tags = reasoning.reasoning_tags() if constraint is not None else None
+    if tags is None:
+        return params
+    start, end = tags
+    named = [tag for tag in tags if tag is not None]
+    special = [is_special_token(tokenizer, tag) for tag in named]
+    if any(special) and not (all(special) and all(SPECIAL_TOKEN_NAME.fullmatch(tag) for tag in named)):
+        return params  # a mixed pair, or a special token no grammar can name
+    constraint = dataclasses.replace(constraint, reasoning_start=start, reasoning_end=end,
+                                     reasoning_tags_are_special_tokens=all(special))
+    return dataclasses.replace(params, structured_outputs=constraint)
+
+
+def is_special_token(tokenizer, text: str) -> bool:
+    """Whether `text` is one special token of the tokenizer's vocabulary (tokenizer.json's `special` flag, which
+    the grammar library reads: such a token is not the text it decodes to)."""
+    added = getattr(getattr(tokenizer, "hf", None), "added_tokens_decoder", None) or {}
+    return any(token.special and token.content == text for token in added.values())

@@ -1,7 +1,7 @@
 """Tool calling's request side (deployments/openai/tool_calls.py) and how a choice's output is read
 (chat_output.py), without a server: the schema that forces `required` calls, the readers of forced outputs cut
-anywhere, the reasoning and tool parsers in a row, finish reasons, and the end-of-sequence token the parsers'
-decoding keeps."""
+anywhere, the reasoning and tool parsers in a row, finish reasons, the end-of-sequence token the parsers'
+decoding keeps, and constrained outputs of thinking models, whose constraint starts after their reasoning."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,8 @@ import pytest
 from deployments.openai.chat_output import (ChatOutputReader, ChatParsers, RequiredCallsReader, check_parser_names)
 from deployments.openai.errors import OpenAIError
 from deployments.openai.reasoning_parsers import get_reasoning_parser
-from deployments.openai.tool_calls import ToolPlan, plan_tools, required_calls_schema, template_kwargs
+from deployments.openai.structured_output import after_reasoning
+from deployments.openai.tool_calls import ToolPlan, forced_params, plan_tools, required_calls_schema, template_kwargs
 from deployments.openai.tool_parsers import HermesToolParser, collect, get_tool_parser
 from deployments.openai.tool_protocol import ChatTool, NamedToolChoice
 from engine.outputs import CompletionOutput
@@ -264,14 +265,117 @@ def test_calls_in_the_reasoning_are_not_calls():
     assert message.content == "No call needed." and message.reasoning_content.startswith("Maybe <tool_call>")
 
 
+# ---- constrained outputs after the reasoning ----------------------------------------------------------------------
+QWEN_PROMPT = "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_no_reasoning_is_read_from_an_output_constrained_from_its_first_token():
-    parsers = ChatParsers(None, get_reasoning_parser("deepseek_r1"))  # which says the output starts in reasoning
-    params = SamplingParams(structured_outputs={"json_object": True}) if hasattr(SamplingParams(),
-                                                                                 "structured_outputs") else None
-    named = plan_tools(body(tool_choice={"type": "function", "function": {"name": "get_time"}}))
-    assert reader(named, parsers).reasoning_parser is None
-    if params is not None:
-        assert reader(ToolPlan(), parsers, params=params).active is False
+    parsers = ChatParsers(None, get_reasoning_parser("qwen3"))
+    closed = QWEN_PROMPT + "<think>\n\n</think>\n\n"  # enable_thinking false: the prompt closed the reasoning
+    output_reader = reader(ToolPlan(), parsers, closed, SamplingParams(structured_outputs={"json_object": True}))
+    assert output_reader.active is False and output_reader.params.structured_outputs.reasoning_end is None
+
+
+def forced_reader(plan: ToolPlan, parser: str, prompt=None, kwargs=None) -> ChatOutputReader:
+    """The reader of a forced choice's output, with the constraint the route gives it (forced_params)."""
+    params = forced_params(SamplingParams(), plan)
+    return ChatOutputReader(ChatParsers(None, get_reasoning_parser(parser)), plan, params, FakeTokenizer(), prompt,
+                            kwargs)
+
+
+@pytest.mark.parametrize("parser, prompt, kwargs, tags", [
+    ("qwen3", QWEN_PROMPT, None, ("<think>", "</think>")),  # the model may open its reasoning, or answer at once
+    ("qwen3", QWEN_PROMPT + "<think>\n", None, (None, "</think>")),  # Qwen3.5: the template opened it
+    ("deepseek_r1", None, None, (None, "</think>")),  # R1 starts inside its reasoning
+    ("kimi_k2", "<|im_assistant|>assistant<|im_middle|>", None, ("<think>", "</think>")),
+])
+def test_a_forced_call_of_a_thinking_model_is_constrained_after_its_reasoning(parser, prompt, kwargs, tags):
+    plan = plan_tools(body(tool_choice="required"))
+    output_reader = forced_reader(plan, parser, prompt, kwargs)
+    constraint = output_reader.params.structured_outputs
+    assert (constraint.reasoning_start, constraint.reasoning_end) == tags
+    assert constraint.json == plan.constraint["json"] and not constraint.reasoning_tags_are_special_tokens
+    assert output_reader.reasoning_parser is get_reasoning_parser(parser)
+    assert output_reader.params.skip_special_tokens is False  # the tags may be special tokens
+
+
+@pytest.mark.parametrize("parser, prompt, kwargs", [
+    ("qwen3", QWEN_PROMPT + "<think>\n\n</think>\n\n", {"enable_thinking": False}),
+    ("qwen3", QWEN_PROMPT, {"enable_thinking": False}),
+    ("kimi_k2", "<|im_assistant|>assistant<|im_middle|><think></think>", {"thinking": False}),
+    ("openai", None, None),  # gpt-oss: harmony channels, no tags for a grammar to wait for
+])
+def test_without_reasoning_to_write_the_constraint_holds_from_the_first_token(parser, prompt, kwargs):
+    plan = plan_tools(body(tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    output_reader = forced_reader(plan, parser, prompt, kwargs)
+    assert output_reader.params.structured_outputs.reasoning_end is None
+    assert output_reader.reasoning_parser is None
+
+
+REASONED_CALLS = "<think>\nWeather needs <tool_call> a city.\n</think>\n\n" + REQUIRED_OUTPUT
+
+
+@pytest.mark.parametrize("size", [1, 5, len(REASONED_CALLS)])
+def test_required_calls_after_the_reasoning_are_read_from_the_answer_whole_and_streamed(size):
+    plan = plan_tools(body(tool_choice="required"))
+    message, finish = forced_reader(plan, "qwen3", QWEN_PROMPT).message(completion(REASONED_CALLS))
+    # Qwen3's <tool_call> would end the reasoning; under the grammar only </think> does.
+    assert (message.reasoning_content, message.content, finish) == ("Weather needs <tool_call> a city.", None,
+                                                                    "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Par}is"}), ("get_time", {})]
+    deltas, stream_finish = streamed(forced_reader(plan, "qwen3", QWEN_PROMPT),
+                                     [REASONED_CALLS[i:i + size] for i in range(0, len(REASONED_CALLS), size)])
+    whole = joined(deltas)
+    assert (whole["reasoning_content"], whole["content"], stream_finish) == (message.reasoning_content, "",
+                                                                             "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in whole["tool_calls"].values()] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
+def test_a_named_call_after_the_reasoning_is_its_arguments_and_a_cut_reasoning_calls_nothing():
+    plan = plan_tools(body(tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    message, finish = forced_reader(plan, "deepseek_r1").message(completion('Oslo, surely.</think>\n{"city": "Oslo"}'))
+    assert (message.reasoning_content, message.content, finish) == ("Oslo, surely.", None, "stop")
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather",
+                                                                                      '{"city": "Oslo"}')]
+    cut, cut_finish = forced_reader(plan, "deepseek_r1").message(completion("Still thinking", "length", eos=False))
+    assert (cut.reasoning_content, cut.tool_calls, cut_finish) == ("Still thinking", None, "length")
+
+
+def test_a_response_format_answer_after_the_reasoning_is_the_content():
+    params = SamplingParams(structured_outputs={"json": WEATHER})
+    output_reader = ChatOutputReader(ChatParsers(None, get_reasoning_parser("qwen3")), ToolPlan(), params,
+                                     FakeTokenizer(), QWEN_PROMPT)
+    assert output_reader.params.structured_outputs.reasoning_end == "</think>"
+    message, finish = output_reader.message(completion('<think>Paris.</think>\n\n{"city": "Paris"}'))
+    assert (message.reasoning_content, message.content, finish) == ("Paris.", '{"city": "Paris"}', "stop")
+    no_reasoning, _ = output_reader.message(completion('{"city": "Paris"}'))  # skipped: the grammar allows it
+    assert (no_reasoning.reasoning_content, no_reasoning.content) == (None, '{"city": "Paris"}')
+
+
+class SpecialTagsParser(get_reasoning_parser("qwen3")):
+    """Tags that are special tokens of SmolLM2's vocabulary, as a family's tags are in some vocabularies."""
+    start_tag, end_tag = "<reponame>", "<filename>"
+
+
+def test_tags_that_are_special_tokens_are_matched_as_those_tokens(engine):
+    constraint = after_reasoning(SamplingParams(structured_outputs={"json_object": True}),
+                                 SpecialTagsParser(QWEN_PROMPT), engine.tokenizer).structured_outputs
+    assert (constraint.reasoning_start, constraint.reasoning_end, constraint.reasoning_tags_are_special_tokens) == (
+        "<reponame>", "<filename>", True)
+    text = after_reasoning(SamplingParams(structured_outputs={"json_object": True}),
+                           get_reasoning_parser("qwen3")(QWEN_PROMPT), engine.tokenizer).structured_outputs
+    assert (text.reasoning_end, text.reasoning_tags_are_special_tokens) == ("</think>", False)  # text in SmolLM2's
+
+
+class MixedTagsParser(get_reasoning_parser("qwen3")):
+    start_tag, end_tag = "<reponame>", "</think>"
+
+
+def test_a_pair_of_one_special_token_and_one_text_tag_leaves_the_constraint_from_the_first_token(engine):
+    params = SamplingParams(structured_outputs={"json_object": True})
+    assert after_reasoning(params, MixedTagsParser(QWEN_PROMPT), engine.tokenizer) is params
 
 
 def test_harmony_reads_the_reasoning_itself_under_auto():

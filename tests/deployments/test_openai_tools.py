@@ -5,8 +5,10 @@ ChatML template that lists the tools, writes earlier calls as `<tool_call>` bloc
 `<tool_response>` turns, and closes the reasoning when `enable_thinking` is false (as Qwen3's does).
 
 `auto` and reasoning run on scripted model outputs (ScriptedClient: the family formats are not SmolLM2's to
-write); `required` and a named function run on the real SmolLM2, whose output structured output forces into
-calls that validate."""
+write), as do constrained outputs of thinking models (response_format, forced calls, and /v1/messages's forced
+tools with thinking, which run on this route): the constraint the engine gets starts after the reasoning, which
+comes back apart; `required` and a named function run on the real SmolLM2, whose output structured output
+forces into calls that validate."""
 from __future__ import annotations
 
 import copy
@@ -267,6 +269,99 @@ def test_chat_template_kwargs_reach_the_template_and_switch_thinking_off(scripte
     assert tools_tokenizer.decode(client.requests[-1][0], skip_special_tokens=False).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert message == {"content": "<think>x</think> Sunny.", "reasoning": None, "calls": []}
+
+
+# ---- constrained outputs after the reasoning, on scripted outputs ------------------------------------------------
+ANSWER_SCHEMA = {"type": "object", "properties": {"city": CITY}, "required": ["city"], "additionalProperties": False}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+REQUIRED_CALL = '[{"name": "get_time", "arguments": {"city": "Tokyo"}}]'
+
+
+def sent_constraint(client):
+    """The structured-output constraint of the last request the engine got."""
+    return client.requests[-1][1].structured_outputs
+
+
+def pieces(text: str, size: int = 6) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_of_a_thinking_model_starts_after_its_reasoning(scripted, stream):
+    client, served = scripted
+    client.script = pieces('<think>\nThe user means Paris.\n</think>\n\n{"city": "Paris"}')
+    message, finish, _ = chat(served("none", "qwen3"), stream, response_format=RESPONSE_FORMAT)
+    assert message == {"content": '{"city": "Paris"}', "reasoning": "The user means Paris.", "calls": []}
+    assert finish == "stop"
+    constraint = sent_constraint(client)
+    # TOOLS_TEMPLATE, like Qwen3's, leaves the model to open its reasoning: it may, or answer at once.
+    assert (constraint.reasoning_start, constraint.reasoning_end) == ("<think>", "</think>")
+    assert constraint.json == ANSWER_SCHEMA and not constraint.reasoning_tags_are_special_tokens
+
+
+def test_an_output_that_starts_inside_its_reasoning_gets_no_start_tag(scripted):
+    client, served = scripted
+    client.script = ['Paris.</think>{"city": "Paris"}']
+    message, _, _ = chat(served("none", "deepseek_r1"), False, response_format=RESPONSE_FORMAT)
+    assert (message["reasoning"], message["content"]) == ("Paris.", '{"city": "Paris"}')
+    assert (sent_constraint(client).reasoning_start, sent_constraint(client).reasoning_end) == (None, "</think>")
+
+
+@pytest.mark.parametrize("reasoning_parser, fields", [
+    ("qwen3", {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}),  # the prompt closes it
+    ("none", {}),  # no reasoning parser: nothing says where reasoning would end
+])
+def test_without_reasoning_the_constraint_holds_from_the_first_token(scripted, reasoning_parser, fields):
+    client, served = scripted
+    client.script = ['{"city": "Paris"}']
+    message, _, _ = chat(served("none", reasoning_parser), False, response_format=RESPONSE_FORMAT, **fields)
+    assert message == {"content": '{"city": "Paris"}', "reasoning": None, "calls": []}
+    assert sent_constraint(client).reasoning_end is None and sent_constraint(client).reasoning_start is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_of_a_thinking_model_comes_after_its_reasoning(scripted, stream):
+    client, served = scripted
+    client.script = pieces("<think>Tokyo time needed.</think>\n\n" + REQUIRED_CALL)
+    message, finish, _ = chat(served("hermes", "qwen3"), stream, tools=TOOLS, tool_choice="required")
+    assert message == {"content": None, "reasoning": "Tokyo time needed.",
+                       "calls": [("get_time", '{"city": "Tokyo"}')]}
+    assert finish == "tool_calls" and sent_constraint(client).reasoning_end == "</think>"
+    client.script = pieces('<think>Paris, 3 days.</think>{"city": "Paris", "days": 3}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    message, finish, _ = chat(served("hermes", "qwen3"), stream, tools=TOOLS, tool_choice=named)
+    assert message == {"content": None, "reasoning": "Paris, 3 days.",
+                       "calls": [("get_weather", '{"city": "Paris", "days": 3}')]}
+    assert finish == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_thinking_with_a_forced_tool_thinks_then_calls(scripted, stream):
+    client, served = scripted
+    client.script = pieces("<think>Tokyo time needed.</think>\n\n" + REQUIRED_CALL)
+    body = {"model": MODEL, "max_tokens": 64, "messages": QUESTION, "stream": stream,
+            "tools": [{"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]}
+                      for tool in TOOLS],
+            "tool_choice": {"type": "any"}, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    response = served("hermes", "qwen3").post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    assert (sent_constraint(client).reasoning_start, sent_constraint(client).reasoning_end) == ("<think>", "</think>")
+    if stream:
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+        blocks = [event["content_block"]["type"] for event in events if event["type"] == "content_block_start"]
+        inputs = "".join(event["delta"]["partial_json"] for event in events
+                         if event["type"] == "content_block_delta" and event["delta"]["type"] == "input_json_delta")
+        assert blocks == ["thinking", "tool_use"] and json.loads(inputs) == {"city": "Tokyo"}
+    else:
+        content = response.json()["content"]
+        assert [block["type"] for block in content] == ["thinking", "tool_use"]
+        assert content[0]["thinking"] == "Tokyo time needed."
+        assert (content[1]["name"], content[1]["input"]) == ("get_time", {"city": "Tokyo"})
+        assert response.json()["stop_reason"] == "tool_use"
+    body["thinking"] = {"type": "disabled"}
+    client.script = [REQUIRED_CALL]
+    assert served("hermes", "qwen3").post("/v1/messages", json=body).status_code == 200
+    assert sent_constraint(client).reasoning_end is None  # the template closed the reasoning
 
 
 # ---- the conversation's tool history ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The reasoning parsers (deployments/openai/reasoning_parsers): each thinking family's output split into
 reasoning and answer, with the prompt saying where the output starts; streaming cut anywhere (tags cut across
-chunks included) gives the same split; the registry and its `auto` choice."""
+chunks included) gives the same split; the tags a constraint after the reasoning waits for; the registry and its
+`auto` choice."""
 from __future__ import annotations
 
 import random
@@ -126,6 +127,43 @@ def test_parse_leaves_a_streaming_parser_untouched():
     assert parser.feed("<think>a") == ("a", "")
     assert parser.parse("<think>x</think>y") == ("x", "y")
     assert parser.feed("b</think>c") == ("b", "c")
+
+
+# ---- where a constraint starts ----------------------------------------------------------------------------------
+# (parser, label, prompt, chat_template_kwargs, reasoning_tags): the same reading of the prompt as the split's
+TAG_CASES = [
+    ("deepseek_r1", "the template opened <think>", "<｜User｜>Hi<｜Assistant｜><think>\n", None, (None, "</think>")),
+    ("deepseek_r1", "no prompt: the output starts inside", None, None, (None, "</think>")),
+    ("deepseek_v3", "V3.1 thinking off", "<｜User｜>Hi<｜Assistant｜></think>", None, None),
+    ("deepseek_v3", "V3.1/V3.2 thinking switched off", "<｜User｜>Hi<｜Assistant｜>", {"thinking": False}, None),
+    ("qwen3", "hybrid: the model may open its reasoning", QWEN_PROMPT, None, ("<think>", "</think>")),
+    ("qwen3", "Qwen3.5: the template opened <think>", QWEN_PROMPT + "<think>\n", None, (None, "</think>")),
+    ("qwen3", "enable_thinking false in the prompt", QWEN_PROMPT + "<think>\n\n</think>\n\n", None, None),
+    ("qwen3", "enable_thinking false without a prompt", None, {"enable_thinking": False}, None),
+    ("glm45", "GLM-4.5: the model writes <think>", "[gMASK]<sop><|user|>\nHi<|assistant|>", None,
+     ("<think>", "</think>")),
+    ("glm45", "GLM-4.7/5 thinking off", "[gMASK]<sop><|user|>Hi<|assistant|></think>", None, None),
+    ("minimax_m2", "the template opened <think>", "]~b]ai\n<think>\n", None, (None, "</think>")),
+    ("kimi_k2", "K2-Thinking writes <think>", "<|im_assistant|>assistant<|im_middle|>", None,
+     ("<think>", "</think>")),
+    ("kimi_k2", "K2.5 thinking off", "<|im_assistant|>assistant<|im_middle|><think></think>", None, None),
+    ("openai", "harmony channels are no tags", None, None, None),
+]
+
+
+@pytest.mark.parametrize("parser_name,label,prompt,kwargs,tags", TAG_CASES,
+                         ids=[f"{case[0]}: {case[1]}" for case in TAG_CASES])
+def test_reasoning_tags_say_where_a_constrained_answer_starts(parser_name, label, prompt, kwargs, tags):
+    assert make(parser_name, prompt, kwargs).reasoning_tags() == tags
+
+
+def test_with_end_tag_only_a_familys_implicit_end_stays_reasoning():
+    """Under a constraint the grammar lets the reasoning run to </think>: a <tool_call> before it is reasoning."""
+    output = "Need the weather.\n<tool_call>\n{}\n</tool_call></think>\n\n[]"
+    parser = get_reasoning_parser("qwen3")(QWEN_PROMPT + "<think>\n", None, end_tag_only=True)
+    assert parser.parse(output) == ("Need the weather.\n<tool_call>\n{}\n</tool_call>", "[]")
+    deltas = [parser.feed(piece) for piece in output] + [parser.finish()]
+    assert joined(deltas) == parser.parse(output)
 
 
 # ---- the registry --------------------------------------------------------------------------------------------

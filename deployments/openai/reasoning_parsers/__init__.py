@@ -11,6 +11,9 @@ How /v1/chat/completions uses them (chat.py):
                a non-empty reasoning_delta goes out as delta.reasoning_content, content_delta as delta.content
     with tools, content (whole or each content_delta) goes on to the tool parser, so calls are read from
     the answer only; a tool parser with `reads_reasoning` (harmony) replaces this parser instead.
+    constrained (response_format, tool_choice required or named): parser.reasoning_tags() says where the
+    constraint starts, after the reasoning (None: from the first token, and no parser reads the output);
+    the output is read by parser_class(prompt, kwargs, end_tag_only=True)
 
 The `<think>` tags are ordinary text in some tokenizers and special tokens in others: decode with
 skip_special_tokens=False when a reasoning parser is on."""

@@ -9,7 +9,11 @@ either starts inside the reasoning, or opens it itself with `<think>` as its fir
 template, GLM-4.5, Kimi-K2-Thinking).
 
 Streaming decides only on text already seen (a tag cut across chunks is held back until it is whole), so any
-chunking gives the same split as the whole text."""
+chunking gives the same split as the whole text.
+
+The same reading of the prompt tells structured output where a constrained answer starts (`reasoning_tags`):
+after the reasoning's end tag, so that the model reasons first. The parser of such an output ends the reasoning
+at that tag only (`end_tag_only`), as the grammar does."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -19,13 +23,17 @@ from ..tool_parsers.scanning import FAIL, NEED, expect, find_first, partial_suff
 
 class ReasoningParser:
     """Splits one output into reasoning and answer: `feed` each new piece (-> reasoning delta, content
-    delta), `finish` at its end; or `parse` a whole output (-> reasoning or None, content or None)."""
+    delta), `finish` at its end; or `parse` a whole output (-> reasoning or None, content or None). With
+    `end_tag_only` the reasoning ends at its end tag alone, never at a family's implicit end (a tool-call
+    marker): structured output's grammar holds the reasoning open until that tag."""
 
     name: ClassVar[str] = ""
 
-    def __init__(self, prompt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, prompt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 end_tag_only: bool = False) -> None:
         self.prompt = prompt
         self.chat_template_kwargs = chat_template_kwargs
+        self.end_tag_only = end_tag_only
 
     def feed(self, text: str) -> tuple[str, str]:
         raise NotImplementedError
@@ -35,10 +43,16 @@ class ReasoningParser:
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """A fresh parser of the same kind and prompt reads the whole text; this one is untouched."""
-        reader = type(self)(self.prompt, self.chat_template_kwargs)
+        reader = type(self)(self.prompt, self.chat_template_kwargs, self.end_tag_only)
         reasoning, content = reader.feed(text)
         more_reasoning, more_content = reader.finish()
         return (reasoning + more_reasoning) or None, (content + more_content) or None
+
+    def reasoning_tags(self) -> tuple[str | None, str] | None:
+        """Where this output's reasoning is, for a constraint to start after it: (the tag that may open the
+        reasoning, None when the output starts inside it; the tag that ends it), or None when the output has no
+        reasoning to write (thinking switched off or closed by the prompt) or no tags mark it."""
+        return None
 
     def thinking_switched_off(self) -> bool:
         """Whether chat_template_kwargs turn thinking off (Qwen's and GLM's `enable_thinking`, DeepSeek's and
@@ -55,14 +69,14 @@ class ThinkReasoningParser(ReasoningParser):
     # Markers that end the reasoning without its end tag and begin the answer (a tool call section).
     implicit_ends: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, prompt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
-        super().__init__(prompt, chat_template_kwargs)
+    def __init__(self, prompt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 end_tag_only: bool = False) -> None:
+        super().__init__(prompt, chat_template_kwargs, end_tag_only)
         tail = (prompt or "").rstrip()
-        if tail.endswith(self.end_tag) or (not tail.endswith(self.start_tag) and self.thinking_switched_off()):
-            self._state = self._read_answer
-        else:
-            self._inside = tail.endswith(self.start_tag) or self.starts_in_reasoning
-            self._state = self._read_opening
+        self._reasons = not (tail.endswith(self.end_tag)
+                             or (not tail.endswith(self.start_tag) and self.thinking_switched_off()))
+        self._inside = tail.endswith(self.start_tag) or self.starts_in_reasoning
+        self._state = self._read_opening if self._reasons else self._read_answer
         self._buffer = ""
         self._eof = False
         self._reasoning: list[str] = []
@@ -70,6 +84,11 @@ class ThinkReasoningParser(ReasoningParser):
         self._reasoning_started = False
         self._held_whitespace = ""
         self._answer_started = True
+
+    def reasoning_tags(self) -> tuple[str | None, str] | None:
+        if not self._reasons:
+            return None
+        return (None if self._inside else self.start_tag), self.end_tag
 
     def feed(self, text: str) -> tuple[str, str]:
         assert not self._eof, "feed after finish"
@@ -111,7 +130,7 @@ class ThinkReasoningParser(ReasoningParser):
         return True
 
     def _read_reasoning(self) -> bool:
-        markers = (self.end_tag,) + self.implicit_ends
+        markers = (self.end_tag,) + (() if self.end_tag_only else self.implicit_ends)
         hit = find_first(self._buffer, markers)
         if hit is None:
             size = len(self._buffer) - (0 if self._eof else partial_suffix(self._buffer, markers))
