@@ -25,6 +25,10 @@ _ENGINE_GAUGES = (
     ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (0 to 1), all cache groups."),
     ("state_slot_usage_perc", "state_slot_usage",
      "Fraction of per-request state slots in use (0 to 1; 0 for models without per-request state)."),
+    ("spec_decode_acceptance_rate", "spec_acceptance_rate",
+     "Draft tokens kept over draft tokens verified, since start (speculative decoding)."),
+    ("spec_decode_mean_accepted_length", "spec_mean_accepted_length",
+     "Tokens a verify step emits on average: kept drafts + 1, since start (speculative decoding)."),
 )
 _ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -33,6 +37,10 @@ _ENGINE_COUNTERS = (
     ("generation_tokens", "generation_tokens", "Tokens the engine generated."),
     ("num_preemptions", "num_preemptions", "Sequences preempted for lack of KV cache blocks."),
     ("engine_restarts", "engine_restarts", "Times the engine was restarted after a failure."),
+    # Speculative decoding (vLLM's names): verify rows, drafted tokens they ran, drafts they kept.
+    ("spec_decode_num_drafts", "spec_verifies", "Request steps that verified drafts (speculative decoding)."),
+    ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified (speculative decoding)."),
+    ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Draft tokens kept (speculative decoding)."),
 )
 
 # Under data parallelism, each DP rank's own numbers, labelled dp_rank (the families above are their sums).

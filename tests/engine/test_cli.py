@@ -32,3 +32,16 @@ def test_kernels_lists_the_mla_ops_and_refuses_a_backend_this_machine_cannot_run
     assert "mla_attention" in table and "mla_sparse_attention" in table
     assert main(["kernels", "--model", model, "--load-format", "dummy", "--kernel-backend", "triton"]) == 2
     assert "kernel_backend='triton' cannot run on cpu" in capsys.readouterr().err
+
+
+def test_speculative_config_flag_takes_a_json_object_and_names_what_is_wrong():
+    import argparse
+    from atom_ray.engine_args import add_engine_arguments, engine_kwargs_from_args
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert engine_kwargs_from_args(args) == {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    result = run_cli("generate", "--prompt", "hi", "--speculative-config", '{"method": "ngram"}')
+    assert result.returncode == 2 and "speculative_config.num_speculative_tokens is required" in result.stderr
+    result = run_cli("generate", "--prompt", "hi", "--speculative-config", "ngram")
+    assert result.returncode == 2 and "not valid JSON" in result.stderr
