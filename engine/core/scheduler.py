@@ -132,7 +132,8 @@ class Scheduler:
             # matcher before its mask: the step waits for the previous one (LLMEngine.step).
             out.structured_output = self.structured_output.step_grammar(
                 [r.request_id for r in constrained], [r.grammar.matcher for r in constrained],
-                waits_for_previous_step=any(r.num_pending_tokens > 1 for r in constrained))
+                waits_for_previous_step=any(r.num_pending_tokens > 1 for r in constrained),
+                drafts=[out.spec_token_ids.get(r.request_id, []) for r in constrained])
         return out
 
     # ---- structured output ----------------------------------------------------------------------

@@ -29,21 +29,24 @@ class NgramSpeculator:
 
     def propose(self, running: list[Request]) -> None:
         """Drafts into `spec_token_ids` of each running request that decodes next; none while more than
-        disable_by_batch_size requests run, or for a request under a grammar (its matcher would have to take
-        and give back each draft: not built yet)."""
+        disable_by_batch_size requests run. A request under a grammar keeps the drafts its grammar accepts
+        (the step's masks follow them: StepGrammar)."""
         limit = self.config.disable_by_batch_size
         enabled = limit is None or len(running) <= limit
         live = set()
         for request in running:
             live.add(request.request_id)
             request.spec_token_ids = []
-            if (not enabled or request.status is not RequestStatus.RUNNING or request.grammar is not None
+            if (not enabled or request.status is not RequestStatus.RUNNING
                     or request.num_tokens_to_compute != 1 or request.num_pending_tokens):
                 continue
             k = self.num_drafts(request)
             if k:
-                request.spec_token_ids = propose_ngram(self._array(request), self.config.prompt_lookup_min,
-                                                       self.config.prompt_lookup_max, k)
+                drafts = propose_ngram(self._array(request), self.config.prompt_lookup_min,
+                                       self.config.prompt_lookup_max, k)
+                if drafts and request.grammar is not None:
+                    drafts = drafts[:request.grammar.matcher.validate_tokens(drafts)]
+                request.spec_token_ids = drafts
         for request_id in [r for r in self._tokens if r not in live]:
             del self._tokens[request_id]
 

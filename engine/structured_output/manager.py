@@ -60,8 +60,12 @@ class StepGrammar:
     ranks carries the filled masks (pickling fills them), so every rank samples the same tokens."""
 
     def __init__(self, manager: "StructuredOutputManager", request_ids: list[str],
-                 matchers: list[GrammarMatcher], waits_for_previous_step: bool) -> None:
+                 matchers: list[GrammarMatcher], waits_for_previous_step: bool,
+                 drafts: list[list[int]] | None = None) -> None:
         self.request_ids = request_ids
+        # Speculative decoding: a request's drafts (the grammar accepts them all) add a mask row each, the
+        # mask after the drafts before it (the matcher takes them and gives them back while filling).
+        self.drafts = drafts or [[] for _ in request_ids]
         # Whether some row's previous token is still being sampled: its matcher must take that token first, so
         # the engine collects the previous step before launching this one.
         self.waits_for_previous_step = waits_for_previous_step
@@ -72,10 +76,10 @@ class StepGrammar:
     def start(self) -> None:
         """Begin filling the masks in the background (idempotent)."""
         if self._bitmask is None and self._future is None:
-            self._future = self._manager.fill_async(self._matchers)
+            self._future = self._manager.fill_async(self._matchers, self.drafts)
 
     def bitmask(self) -> torch.Tensor:
-        """[rows, ceil(vocab / 32)] int32 on the host, one row per request id (waits for the fill)."""
+        """[rows, ceil(vocab / 32)] int32 on the host, 1 + drafts rows per request id (waits for the fill)."""
         if self._bitmask is None:
             self.start()
             self._bitmask = self._future.result()
@@ -83,25 +87,33 @@ class StepGrammar:
         return self._bitmask
 
     def rows_for(self, request_ids: list[str]) -> tuple[torch.Tensor, list[int]] | None:
-        """The masks of those of `request_ids` (a step's sampling rows, in order) that have one, and their
-        positions in `request_ids`; None when none has."""
-        index = {request_id: row for row, request_id in enumerate(self.request_ids)}
-        pairs = [(position, index[request_id]) for position, request_id in enumerate(request_ids)
-                 if request_id in index]
+        """The masks of those of `request_ids` (a step's sampling rows, in order: a verify step's request once
+        per sampled position) that have one, and their positions in `request_ids`; None when none has."""
+        first, row = {}, 0
+        for request_id, drafts in zip(self.request_ids, self.drafts):
+            first[request_id] = row
+            row += 1 + len(drafts)
+        taken: dict[str, int] = {}
+        pairs = []
+        for position, request_id in enumerate(request_ids):
+            if request_id in first:
+                pairs.append((position, first[request_id] + taken.get(request_id, 0)))
+                taken[request_id] = taken.get(request_id, 0) + 1
         if not pairs:
             return None
         bitmask = self.bitmask()
         mask_rows = [row for _, row in pairs]
-        if mask_rows != list(range(len(self.request_ids))):
+        if mask_rows != list(range(bitmask.shape[0])):
             bitmask = bitmask[mask_rows]
         return bitmask, [position for position, _ in pairs]
 
     def __getstate__(self) -> dict:
         return {"request_ids": self.request_ids, "waits_for_previous_step": self.waits_for_previous_step,
-                "bitmask": self.bitmask()}
+                "drafts": self.drafts, "bitmask": self.bitmask()}
 
     def __setstate__(self, state: dict) -> None:
         self.request_ids, self.waits_for_previous_step = state["request_ids"], state["waits_for_previous_step"]
+        self.drafts = state["drafts"]
         self._bitmask, self._manager, self._matchers, self._future = state["bitmask"], None, None, None
 
 
@@ -167,23 +179,38 @@ class StructuredOutputManager:
 
     # ---- a step's masks -------------------------------------------------------------------------------------
     def step_grammar(self, request_ids: list[str], matchers: list[GrammarMatcher],
-                     waits_for_previous_step: bool) -> StepGrammar:
-        return StepGrammar(self, request_ids, matchers, waits_for_previous_step)
+                     waits_for_previous_step: bool, drafts: list[list[int]] | None = None) -> StepGrammar:
+        return StepGrammar(self, request_ids, matchers, waits_for_previous_step, drafts)
 
-    def fill_async(self, matchers: list[GrammarMatcher]) -> concurrent.futures.Future:
-        return self._mask_pool.submit(self.fill, matchers)
+    def fill_async(self, matchers: list[GrammarMatcher], drafts: list[list[int]] | None = None
+                   ) -> concurrent.futures.Future:
+        return self._mask_pool.submit(self.fill, matchers, drafts)
 
-    def fill(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """The next-token masks of `matchers`, one row each, filled in parallel (llguidance's executor). A
-        failed matcher's row allows every token: its request is being failed."""
+    def fill(self, matchers: list[GrammarMatcher], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """The next-token masks of `matchers`: a row each, filled in parallel (llguidance's executor), then a
+        row after each of a matcher's `drafts` (which it takes one by one, then gives back). A failed matcher's
+        rows allow every token: its request is being failed."""
         from llguidance import LLExecutor
         from llguidance.torch import fill_next_token_bitmask_par
         if self._ll_executor is None:
             self._ll_executor = LLExecutor()
-        bitmask = torch.full((len(matchers), self.bitmask_width), -1, dtype=torch.int32)
-        rows = [(m.llmatcher, row) for row, m in enumerate(matchers) if m.error is None]
+        drafts = drafts or [[] for _ in matchers]
+        firsts = [0]
+        for request_drafts in drafts:
+            firsts.append(firsts[-1] + 1 + len(request_drafts))
+        bitmask = torch.full((firsts[-1], self.bitmask_width), -1, dtype=torch.int32)
+        rows = [(m.llmatcher, firsts[i]) for i, m in enumerate(matchers) if m.error is None]
         if rows:
             fill_next_token_bitmask_par(self._ll_executor, rows, bitmask)
+        for matcher, request_drafts, first in zip(matchers, drafts, firsts):
+            taken = 0
+            for j, token_id in enumerate(request_drafts):
+                if matcher.error is not None or not matcher.accept_tokens([token_id]):
+                    break  # the rest of its rows allow every token (its drafts were validated: not expected)
+                taken += 1
+                matcher.fill_bitmask(bitmask, first + 1 + j)
+            if taken and matcher.error is None:
+                matcher.rollback(taken)
         return bitmask
 
     def stats(self) -> dict:

@@ -286,3 +286,32 @@ def test_models_whose_caches_cannot_move_back_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="speculative_config: .*recurrent state"):
         LLM(str(make_tiny_qwen3_next(tmp_path / "qwen3-next")), show_progress=False, speculative_config=NGRAM,
             max_model_len=128)
+
+
+def test_requests_under_a_grammar_verify_drafts_their_grammar_accepts(engines):
+    """A constrained request drafts too: the drafts its grammar accepts, each verified position under the mask
+    after the drafts before it (the matcher takes them and gives them back); the output is the one without
+    speculation and parses."""
+    import json
+    from engine.structured_output import StructuredOutputsParams
+    plain, spec = engines
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "items": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "items"]}
+    example = '{"name": "alpha bravo charlie", "items": ["delta", "echo", "foxtrot", "golf"]}'
+    prompts = [f"JSON: {example}\nJSON: {example}\nJSON:", f"Copy the object.\n{example}\nCopy: {example}\nCopy:"]
+    params = [SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(max_tokens=40, temperature=0.7, seed=2,
+                             structured_outputs=StructuredOutputsParams(regex=r' \{"name": "[a-z ]+", .*\}'))]
+    before = spec.engine.stats()
+    for p in params:
+        expected = plain.generate(prompts, p)
+        got = spec.generate(prompts, p)
+        same_outputs(expected, got)
+        if p.structured_outputs.json is not None:
+            for output in got:
+                assert set(json.loads(output.outputs[0].text)) == {"name", "items"}
+    after = spec.engine.stats()
+    assert after["spec_draft_tokens"] - before["spec_draft_tokens"] > 10
+    assert after["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    assert after["num_free_kv_blocks"] == after["num_kv_blocks"]
