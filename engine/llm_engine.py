@@ -23,7 +23,7 @@ from engine.lockstep import BUSY, IDLE, STOP, Lockstep
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.speculator import NgramSpeculator
+from engine.spec_decode.speculator import MtpSpeculator, NgramSpeculator, Speculator
 from engine.structured_output.manager import StructuredOutputManager, wait_for
 from engine.tokenizer import Tokenizer, eos_ids_from_config
 
@@ -164,7 +164,8 @@ class LLMEngine:
                                                          self.eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill, config.long_prefill_token_threshold),
+                            config.enable_chunked_prefill, config.long_prefill_token_threshold,
+                            config.speculative_config.lookahead_tokens if config.speculative_config else 0),
             KVCacheManager(layout, config.enable_prefix_caching), self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_source = random.Random(config.seed)
@@ -177,7 +178,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
 
-    def _speculator(self, layout: CacheLayout) -> NgramSpeculator | None:
+    def _speculator(self, layout: CacheLayout) -> Speculator | None:
         """The drafter of config.speculative_config, or None. A verify step that keeps fewer drafts than it
         ran moves the request's cache position back; the models whose caches cannot move back are refused."""
         spec = self.config.speculative_config
@@ -194,6 +195,8 @@ class LLMEngine:
         if blockers:
             raise ConfigError(f"speculative_config: speculative decoding is not supported for this model yet: it "
                               f"has {'; and '.join(blockers)}")
+        if spec.method == "mtp":
+            return MtpSpeculator(spec, self.max_model_len)
         return NgramSpeculator(spec, self.max_model_len)
 
     def _load_tokenizer(self) -> Tokenizer | None:
@@ -365,7 +368,7 @@ class LLMEngine:
         self.num_generated_tokens_total += sum(len(tokens) for tokens in output.sampled_token_ids)
         updated = self.scheduler.update_from_output(scheduled, output)
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, output)
         return updated
 
     def process_step(self, updated: list[Request], output: RunnerOutput) -> list[RequestOutput]:

@@ -28,6 +28,9 @@ class SchedulerConfig:
     # A prefill with more tokens left than this is "long": short prefills go first, and the oldest long one
     # keeps this many tokens of each step's budget (more when nothing else wants them). None: half the budget.
     long_prefill_token_threshold: int | None = None
+    # Cache positions past a step's tokens to give blocks for: a model drafter writes its own entries for
+    # drafts 2..k there (speculative decoding with MTP).
+    lookahead_tokens: int = 0
 
 
 class Scheduler:
@@ -181,7 +184,8 @@ class Scheduler:
                 continue
             drafts = drafts[:num_tokens - 1]
             num_old_blocks = [len(group.block_ids) for group in request.groups]
-            while not self.block_manager.allocate(request, num_tokens):
+            lookahead = self._lookahead(request.num_computed_tokens + num_tokens)
+            while not self.block_manager.allocate(request, num_tokens + lookahead):
                 victim = next(r for r in reversed(self.running) if r.request_id not in out.num_scheduled_tokens)
                 self.running.remove(victim)
                 self._preempt(victim, out)
@@ -223,7 +227,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     return
                 num_tokens = self._budget
-            if not self.block_manager.allocate(request, num_tokens, cached):
+            lookahead = self._lookahead(num_cached_tokens + num_tokens)
+            if not self.block_manager.allocate(request, num_tokens + lookahead, cached):
                 return
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -241,6 +246,9 @@ class Scheduler:
             self._budget -= num_tokens
             if long_ones:
                 return
+
+    def _lookahead(self, num_tokens_after_step: int) -> int:
+        return max(0, min(self.config.lookahead_tokens, self.config.max_model_len - num_tokens_after_step))
 
     def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
         """Append sampled tokens, apply token-level stop conditions, cache newly computed blocks.

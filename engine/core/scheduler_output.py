@@ -78,5 +78,7 @@ class RunnerOutput:
     request_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # A model drafter's drafts for each request's next step (speculative decoding with MTP).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Prompt positions computed this step (a chunk at a time); position i scores prompt token i + 1.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

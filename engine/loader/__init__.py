@@ -26,21 +26,28 @@ def _default_dtype(dtype: torch.dtype):
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0,
                 show_progress: bool = True, residual_dtype: torch.dtype | None = None,
-                quantization: str | None = None) -> nn.Module:
+                quantization: str | None = None, mtp: bool = False) -> nn.Module:
     """`residual_dtype`: the residual stream's dtype (default: `dtype`). `quantization`: quantize a
     full-precision checkpoint as it loads (engine.layers.quantization.ONLINE_METHODS); a quantized
-    checkpoint's own `quantization_config` needs nothing."""
+    checkpoint's own `quantization_config` needs nothing. `mtp`: build and load the checkpoint's
+    multi-token-prediction layer too (speculative decoding's drafter)."""
     from engine.layers.quantization import log_plan, quantized_build
     from engine.loader.quant_plan import apply_plan, finish_loading, resolve_quant_plan
     model_class = model_class_for(source.hf_config)
     plan = resolve_quant_plan(source.hf_config, quantization, source.format)
+    extra = {}
+    if mtp:
+        check_mtp_support(model_class, source.hf_config)
+        extra["mtp"] = True
     with _default_dtype(dtype), torch.device(device), quantized_build(plan):
-        model = model_class(source.hf_config, residual_dtype=residual_dtype or dtype)
+        model = model_class(source.hf_config, residual_dtype=residual_dtype or dtype, **extra)
         if plan is not None:
             apply_plan(model, plan)
     model.eval()
     if source.format == "dummy":
         names_and_shapes = dummy_checkpoint_layout(source.hf_config)
+        if mtp:
+            names_and_shapes = model_class.mtp_checkpoint_layout(source.hf_config, names_and_shapes)
         load_weights(model, dummy_checkpoint(names_and_shapes, device, seed, getattr(model, "dummy_tensor", None)),
                      len(names_and_shapes), show_progress, plan)
     elif source.format == "gguf":
@@ -55,6 +62,17 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     if plan is not None:
         log_plan(model, plan)
     return model
+
+
+def check_mtp_support(model_class, hf_config) -> None:
+    """Raises ConfigError naming speculative_config where the model cannot draft with its MTP layer."""
+    from engine.config import ConfigError
+    if not getattr(model_class, "supports_mtp", False):
+        raise ConfigError(f"speculative_config.method 'mtp': MTP drafting is built for DeepSeek-V2/V3 (Kimi-K2) "
+                          f"checkpoints only, not {model_class.__name__}")
+    if not (getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
+        raise ConfigError("speculative_config.method 'mtp': this checkpoint has no multi-token-prediction layer "
+                          "(its config's num_nextn_predict_layers is 0 or missing)")
 
 
 def load_weights(model: nn.Module, weights, total: int | None = None, show_progress: bool = True,
@@ -116,6 +134,12 @@ def load_weights(model: nn.Module, weights, total: int | None = None, show_progr
         want = expected_shards.get(module, {None})
         if not want <= loaded.get(name, set()):
             missing.append(name)
+    if missing and all(name.startswith("mtp.") for name in missing):
+        from engine.config import ConfigError
+        raise ConfigError("speculative_config.method 'mtp': the checkpoint has no weights for its multi-token-"
+                          f"prediction layer (its config says num_nextn_predict_layers="
+                          f"{getattr(model.config, 'num_nextn_predict_layers', None)}, but the layer after the "
+                          f"last decoder layer is not in the files), e.g. {missing[:3]}")
     if missing:
         raise ModelSourceError(f"checkpoint lacks weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
 

@@ -21,6 +21,8 @@ INDEXER_TYPES = ("full", "shared")
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    supports_mtp = False  # (its MTP layer would need the indexer too: not built)
+
     def __init__(self, config, residual_dtype=None) -> None:
         check_layer_types(config, "mlp_layer_types", MLP_LAYER_TYPES)
         self.topk_relay = TopkRelay()  # the step's selection, from a full indexer layer to shared ones

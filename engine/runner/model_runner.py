@@ -112,8 +112,11 @@ class ModelRunner:
                               f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})")
         torch.manual_seed(config.seed)
         self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
+        spec = config.speculative_config
+        # Speculative decoding with the model's MTP layer: drafts this many tokens after each step.
+        self.mtp_tokens = spec.num_speculative_tokens if spec is not None and spec.method == "mtp" else 0
         self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype,
-                                 config.quantization)
+                                 config.quantization, mtp=bool(self.mtp_tokens))
         if self.uses_cuda:  # every TP rank builds its runner at once: a collective set-up
             text = getattr(source.hf_config, "text_config", None) or source.hf_config
             enable_fused_all_reduce_norm(int(text.hidden_size), device)
@@ -354,8 +357,83 @@ class ModelRunner:
             num_top = self.requests[request_id].params.prompt_logprobs
             output.prompt_logprobs[request_id] = compute_logprobs(
                 logits, torch.tensor(targets, device=self.device), num_top)
-        return self._track(PendingOutput(self, self._step, output, host.sampling_requests, sampled_host, event,
-                                         host.sampling_rows, logprobs if host.sampling_requests else None))
+        pending = self._track(PendingOutput(self, self._step, output, host.sampling_requests, sampled_host, event,
+                                            host.sampling_rows, logprobs if host.sampling_requests else None))
+        if self.mtp_tokens:  # the drafts follow the tokens this step keeps: wait for them
+            self.resolve_until(self._step)
+            output.draft_token_ids = self._mtp_draft(host, hidden, scheduled)
+        return pending
+
+    def _mtp_draft(self, host: HostInputs, hidden: torch.Tensor, scheduled: SchedulerOutput) -> dict[str, list[int]]:
+        """Drafts with the model's MTP layer, after the step's tokens are recorded. First over every position
+        the step computed and kept (its own cache entries for them, which later drafts attend to): position p
+        takes token p + 1 and the target's hidden state at p; a sampling request's last kept position gives
+        its first draft. Then k - 1 single-token steps, each from the previous draft and the MTP layer's own
+        pre-norm hidden state, at the next position (blocks the scheduler gave as lookahead; a request out of
+        blocks or context stops drafting). Greedy (argmax) drafts."""
+        rows, ids, positions, starts, seq_lens, computed, slots, tables = [], [], [], [0], [], [], [], []
+        last_rows, drafting = [], []
+        sampling = {request.request_id for request in host.sampling_requests}
+        for index, request in enumerate(host.requests):
+            begin, start = host.query_start_loc[index], host.num_computed[index]
+            kept = request.num_computed_tokens - start  # positions of this step whose tokens stayed
+            rows.extend(range(begin, begin + kept))
+            ids.extend(request.token_ids[start + 1:start + kept + 1])
+            positions.extend(range(start, start + kept))
+            slots.append(host.slot_mapping[begin:begin + kept])
+            starts.append(starts[-1] + kept)
+            seq_lens.append(start + kept)
+            computed.append(start)
+            if request.request_id in sampling:
+                last_rows.append(starts[-1] - 1)
+                drafting.append(request)
+        num_decodes = next((i for i, n in enumerate(np.diff(starts)) if n != 1), len(seq_lens))
+        tables = [host.block_table, *host.group_tables]
+        metadata = self._attention_metadata(num_decodes, starts, seq_lens, computed, tables,
+                                            [np.concatenate(slots), *host.group_slot_mappings], host.state_slots,
+                                            self._group_keys)
+        normed, pre = self._mtp_pass(metadata, ids, positions, hidden[self._to_device(np.asarray(rows))], scheduled)
+        if not drafting:
+            return {}
+        last = self._to_device(np.asarray(last_rows))
+        tokens = self.model.compute_logits(normed[last]).argmax(dim=-1)
+        drafts = [[token] for token in tokens.tolist()]
+        previous = pre[last]
+        # The position each draft step computes: the last kept one, then the newest token's, and on.
+        position = [request.num_tokens - 2 for request in drafting]
+        live = list(range(len(drafting)))
+        for _ in range(self.mtp_tokens - 1):
+            live = [i for i in live if position[i] + 1 < min(self.max_model_len,
+                                                               len(drafting[i].block_ids) * self.block_size)]
+            if not live:
+                break
+            for i in live:
+                position[i] += 1
+            requests = [drafting[i] for i in live]
+            step_slots = np.asarray([r.block_ids[position[i] // self.block_size] * self.block_size
+                                     + position[i] % self.block_size for i, r in zip(live, requests)], dtype=np.int64)
+            table = np.zeros((len(requests), max(len(r.block_ids) for r in requests)), dtype=np.int32)
+            for row, request in enumerate(requests):
+                table[row, :len(request.block_ids)] = request.block_ids
+            metadata = self._attention_metadata(len(requests), list(range(len(requests) + 1)),
+                                                [position[i] + 1 for i in live], [position[i] for i in live],
+                                                [table], [step_slots], [-1] * len(requests), self._group_keys)
+            live_rows = self._to_device(np.asarray(live))
+            normed, pre = self._mtp_pass(metadata, [drafts[i][-1] for i in live], [position[i] for i in live],
+                                         previous[live_rows], scheduled)
+            tokens = self.model.compute_logits(normed).argmax(dim=-1).tolist()
+            for i, token in zip(live, tokens):
+                drafts[i].append(token)
+            previous = previous.clone()
+            previous[live_rows] = pre
+        return {request.request_id: d for request, d in zip(drafting, drafts)}
+
+    def _mtp_pass(self, metadata, ids: list[int], positions: list[int], previous_hidden: torch.Tensor,
+                  scheduled: SchedulerOutput):
+        moe = MoEStep(padded_step_tokens(max(len(ids), 1), self.step_buckets))
+        with forward_context(metadata, self.block_size, moe):
+            return self.model.mtp_forward(self._to_device(np.asarray(ids, dtype=np.int64)),
+                                          previous_hidden, self._to_device(np.asarray(positions, dtype=np.int64)))
 
     def _track(self, pending: PendingOutput) -> PendingOutput:
         self._unresolved.append(pending)

@@ -6,10 +6,11 @@ from dataclasses import dataclass, fields
 
 from engine.config import ConfigError
 
-# Methods that are built, and the ones vLLM users may name that are not (yet): refused by name.
-METHODS = ("ngram",)
-NOT_YET = {"mtp": "MTP drafting from the checkpoint's own layers", "deepseek_mtp": "MTP drafting",
-           "eagle": "EAGLE drafters", "eagle3": "EAGLE3 drafters", "draft_model": "separate draft models",
+# Methods that are built (and vLLM's other names for them), and the ones vLLM users may name that are not
+# (yet): refused by name.
+METHODS = ("ngram", "mtp")
+ALIASES = {"deepseek_mtp": "mtp"}
+NOT_YET = {"eagle": "EAGLE drafters", "eagle3": "EAGLE3 drafters", "draft_model": "separate draft models",
            "medusa": "Medusa heads"}
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -46,6 +47,8 @@ class SpeculativeConfig:
         return cls(**value)
 
     def __post_init__(self) -> None:
+        if self.method in ALIASES:
+            object.__setattr__(self, "method", ALIASES[self.method])
         if self.method in NOT_YET:
             raise ConfigError(f"speculative_config.method {self.method!r}: {NOT_YET[self.method]} are not built "
                               f"yet; the methods available are {list(METHODS)}")
@@ -61,6 +64,15 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model is not None:
             raise ConfigError("speculative_config.model is not used by method 'ngram' (it drafts from the "
                               "request's own tokens); leave it out")
+        if self.method == "mtp" and self.model is not None:
+            raise ConfigError("speculative_config.model is not used by method 'mtp' (it drafts with the "
+                              "checkpoint's own multi-token-prediction layer); leave it out")
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """Cache positions past a step's tokens that its drafting writes (a model drafter's own cache entries
+        for drafts 2..k), which the scheduler gives blocks for."""
+        return self.num_speculative_tokens if self.method == "mtp" else 0
 
     def _int(self, name: str, low: int, high: int | None = None) -> None:
         value = getattr(self, name)

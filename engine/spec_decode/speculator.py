@@ -9,13 +9,12 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
 
 
-class NgramSpeculator:
+class Speculator:
+    """Sets each running request's drafts after a step: `propose(running, output)`."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        # request id -> (its tokens as an array with room to grow, how many are filled): no list -> array
-        # conversion of the whole context per step.
-        self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
     def num_drafts(self, request: Request) -> int:
         """How many tokens to draft for `request`: num_speculative_tokens, fewer where the request has been
@@ -27,26 +26,53 @@ class NgramSpeculator:
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         return max(0, min(k, room))
 
-    def propose(self, running: list[Request]) -> None:
-        """Drafts into `spec_token_ids` of each running request that decodes next; none while more than
-        disable_by_batch_size requests run. A request under a grammar keeps the drafts its grammar accepts
-        (the step's masks follow them: StepGrammar)."""
+    def drafting(self, running: list[Request]):
+        """The running requests that decode next (their drafts cleared), none while more than
+        disable_by_batch_size requests run."""
         limit = self.config.disable_by_batch_size
         enabled = limit is None or len(running) <= limit
-        live = set()
         for request in running:
-            live.add(request.request_id)
             request.spec_token_ids = []
-            if (not enabled or request.status is not RequestStatus.RUNNING
-                    or request.num_tokens_to_compute != 1 or request.num_pending_tokens):
-                continue
+            if (enabled and request.status is RequestStatus.RUNNING and request.num_tokens_to_compute == 1
+                    and not request.num_pending_tokens):
+                yield request
+
+    @staticmethod
+    def keep(request: Request, drafts: list[int]) -> None:
+        """`drafts` become the request's; under a grammar, those its grammar accepts (the step's masks follow
+        them: StepGrammar)."""
+        if drafts and request.grammar is not None:
+            drafts = drafts[:request.grammar.matcher.validate_tokens(drafts)]
+        request.spec_token_ids = drafts
+
+
+class MtpSpeculator(Speculator):
+    """The runner drafts with the model's MTP layer after each step (RunnerOutput.draft_token_ids); the
+    requests take as many as they may."""
+
+    def propose(self, running: list[Request], output) -> None:
+        drafts = output.draft_token_ids if output is not None else {}
+        for request in self.drafting(running):
+            k = self.num_drafts(request)
+            if k and request.request_id in drafts:
+                self.keep(request, drafts[request.request_id][:k])
+
+
+class NgramSpeculator(Speculator):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        super().__init__(config, max_model_len)
+        # request id -> (its tokens as an array with room to grow, how many are filled): no list -> array
+        # conversion of the whole context per step.
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}
+
+    def propose(self, running: list[Request], output=None) -> None:
+        """Drafts from each request's own tokens (n-gram lookup)."""
+        for request in self.drafting(running):
             k = self.num_drafts(request)
             if k:
-                drafts = propose_ngram(self._array(request), self.config.prompt_lookup_min,
-                                       self.config.prompt_lookup_max, k)
-                if drafts and request.grammar is not None:
-                    drafts = drafts[:request.grammar.matcher.validate_tokens(drafts)]
-                request.spec_token_ids = drafts
+                self.keep(request, propose_ngram(self._array(request), self.config.prompt_lookup_min,
+                                                 self.config.prompt_lookup_max, k))
+        live = {request.request_id for request in running}
         for request_id in [r for r in self._tokens if r not in live]:
             del self._tokens[request_id]
 
