@@ -476,16 +476,17 @@ def make_tiny_qwen3_next(folder: Path, seed: int = 0, model_type: str = "qwen3_n
 
 
 def add_random_mtp_layer(folder: Path, seed: int = 0) -> Path:
-    """Random weights for a DeepSeek-V3 checkpoint's multi-token-prediction layer (model.layers.{N}.*, which
-    transformers neither builds nor writes), in a file of their own beside the model's."""
+    """Random weights for a DeepSeek-V3 or GLM-4.5 checkpoint's multi-token-prediction layer (model.layers.{N}.*,
+    which transformers neither builds nor writes), in a file of their own beside the model's."""
     from safetensors.torch import save_file
     from engine.loader import dummy_checkpoint_layout
     from engine.loader.source import resolve_model
-    from engine.models.deepseek_v2 import DeepseekV3ForCausalLM
+    from engine.models import model_class_for
     config = resolve_model(str(folder)).hf_config
     layout = dummy_checkpoint_layout(config)
     generator = torch.Generator().manual_seed(seed)
+    extra = model_class_for(config).mtp_checkpoint_layout(config, layout)[len(layout):]
     tensors = {name: torch.ones(shape) if "norm" in name else torch.randn(*shape, generator=generator) * 0.1
-               for name, shape in DeepseekV3ForCausalLM.mtp_checkpoint_layout(config, layout)[len(layout):]}
+               for name, shape in extra}
     save_file(tensors, str(folder / "model-mtp.safetensors"))
     return folder

@@ -69,7 +69,7 @@ def check_mtp_support(model_class, hf_config) -> None:
     from engine.config import ConfigError
     if not getattr(model_class, "supports_mtp", False):
         raise ConfigError(f"speculative_config.method 'mtp': MTP drafting is built for DeepSeek-V2/V3 (Kimi-K2) "
-                          f"checkpoints only, not {model_class.__name__}")
+                          f"and GLM-4.5/4.6 checkpoints only, not {model_class.__name__}")
     if not (getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
         raise ConfigError("speculative_config.method 'mtp': this checkpoint has no multi-token-prediction layer "
                           "(its config's num_nextn_predict_layers is 0 or missing)")

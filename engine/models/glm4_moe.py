@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from engine.layers.fused_moe import FusedMoE, RouterConfig, num_routed_experts
-from engine.models.llama import LlamaForCausalLM, LlamaMLP, is_mtp_layer_tensor
+from engine.models.llama import LlamaForCausalLM, LlamaMLP
+from engine.models.mtp import MultiTokenPredictionMixin
 
 
-class Glm4MoeForCausalLM(LlamaForCausalLM):
+class Glm4MoeForCausalLM(MultiTokenPredictionMixin, LlamaForCausalLM):
     @staticmethod
     def attention_flags(config, bias: bool) -> dict:
         return {"qkv_bias": bias, "o_bias": False, "qk_norm": bool(getattr(config, "use_qk_norm", False))}
@@ -32,8 +33,3 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         # transformers keeps GLM's router weight in float32 whatever the model's dtype: so do we.
         return FusedMoE(num_routed_experts(config), config.hidden_size, config.moe_intermediate_size, router,
                         shared_experts=shared, router_dtype=torch.float32)
-
-    def remap_checkpoint_name(self, name: str) -> str | None:
-        if is_mtp_layer_tensor(name, self.config, getattr(self.config, "num_nextn_predict_layers", 0) or 0):
-            return None
-        return name

@@ -172,3 +172,21 @@ def test_mtp_is_refused_where_it_cannot_draft(tiny_model_dirs):
     with pytest.raises(ConfigError, match="not supported with data_parallel_size > 1 and enable_expert_parallel"):
         LLM(str(tiny_model_dirs["qwen3_moe"]), show_progress=False, speculative_config=MTP, data_parallel_size=2,
             enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_untrained_mtp_layers_give_the_tokens_without_speculation(tmp_path, arch):
+    """Random MTP weights (GLM-4.5's layout is DeepSeek's): drafts run and are mostly rejected, the tokens are
+    those of a run without speculation, with chunked prefill and preemption, and nothing leaks."""
+    folder = str(tiny_models.add_random_mtp_layer(
+        tiny_models.make_tiny_model(tmp_path / arch, arch, num_nextn_predict_layers=1)))
+    prompts = training_prompts()[:6] + [list(range(10, 40))]
+    plain = LLM(folder, dtype="float32", show_progress=False)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    plain.shutdown()
+    for engine_args in ({}, dict(max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=20, block_size=4,
+                                 max_model_len=80)):
+        _, tokens, stats = acceptance(folder, prompts, **engine_args)
+        assert tokens == expected
+        assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["num_preemptions"] > 0
