@@ -23,7 +23,7 @@ from engine.lockstep import BUSY, IDLE, STOP, Lockstep
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.speculator import MtpSpeculator, NgramSpeculator, Speculator
+from engine.spec_decode.speculator import DrafterSpeculator, NgramSpeculator, Speculator
 from engine.structured_output.manager import StructuredOutputManager, wait_for
 from engine.tokenizer import Tokenizer, eos_ids_from_config
 
@@ -195,8 +195,8 @@ class LLMEngine:
         if blockers:
             raise ConfigError(f"speculative_config: speculative decoding is not supported for this model yet: it "
                               f"has {'; and '.join(blockers)}")
-        if spec.method == "mtp":
-            return MtpSpeculator(spec, self.max_model_len)
+        if spec.method in ("mtp", "eagle3"):  # the runner drafts with the model drafter
+            return DrafterSpeculator(spec, self.max_model_len)
         return NgramSpeculator(spec, self.max_model_len)
 
     def _load_tokenizer(self) -> Tokenizer | None:

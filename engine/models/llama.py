@@ -55,10 +55,12 @@ def is_mtp_layer_tensor(name: str, config, num_mtp_layers: int) -> bool:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, input_size: int | None = None) -> None:
+        """`input_size`: the width q, k and v are projected from (default the hidden size; an EAGLE3 drafter's
+        layer takes twice that)."""
         super().__init__()
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+        self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -113,6 +115,10 @@ class LlamaDecoderLayer(nn.Module):
         """`make_norm(hidden_size, eps)`: the family's norm (RMSNorm by default; gpt-oss: float32 weights)."""
         super().__init__()
         self.residual_dtype = residual_dtype  # None: the embedding's (the activations') dtype
+        # An EAGLE3 drafter reads some layers' input (the previous layer's output, residual added): set, the
+        # layer keeps it in `captured` at each forward.
+        self.capture_input = False
+        self.captured: torch.Tensor | None = None
         self.self_attn = self_attn
         self.mlp = mlp
         self.input_layernorm = make_norm(config.hidden_size, config.rms_norm_eps)
@@ -130,6 +136,8 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.capture_input:
+            self.captured = residual
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual

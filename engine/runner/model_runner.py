@@ -30,6 +30,8 @@ from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
 from engine.runner.model_facts import format_op_table, model_facts
+from engine.models.eagle3 import build_eagle3
+from engine.spec_decode.draft_models import Eagle3Draft, MtpDraft
 from engine.spec_decode.verify import num_accepted
 
 logger = logging.getLogger(__name__)
@@ -113,10 +115,18 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
         spec = config.speculative_config
-        # Speculative decoding with the model's MTP layer: drafts this many tokens after each step.
-        self.mtp_tokens = spec.num_speculative_tokens if spec is not None and spec.method == "mtp" else 0
+        method = spec.method if spec is not None else None
         self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype,
-                                 config.quantization, mtp=bool(self.mtp_tokens))
+                                 config.quantization, mtp=method == "mtp")
+        # Speculative decoding with a model drafter: drafts this many tokens after each step.
+        self.draft_tokens = spec.num_speculative_tokens if method in ("mtp", "eagle3") else 0
+        self.drafter = None
+        if method == "mtp":
+            self.drafter = MtpDraft(self.model)
+        elif method == "eagle3":
+            head, layer_ids = build_eagle3(spec.model, self.model, self.dtype, device, show_progress)
+            self.model.eagle3 = head  # a submodule: its attention's cache is allocated with the target's
+            self.drafter = Eagle3Draft(self.model, head, layer_ids)
         if self.uses_cuda:  # every TP rank builds its runner at once: a collective set-up
             text = getattr(source.hf_config, "text_config", None) or source.hf_config
             enable_fused_all_reduce_norm(int(text.hidden_size), device)
@@ -271,8 +281,12 @@ class ModelRunner:
         if eager_layers and self.uses_cuda and not self.config.enforce_eager:
             logger.info("decode steps run eagerly: %s layers cannot be captured in a CUDA graph yet",
                         ", ".join(eager_layers))
+        eager_drafter = self.drafter is not None and self.drafter.needs_eager_target
+        if eager_drafter and self.uses_cuda and not self.config.enforce_eager:
+            logger.info("decode steps run eagerly: the EAGLE3 drafter reads the target's layer inputs, which "
+                        "decode graphs do not keep")
         if (self.uses_cuda and not self.config.enforce_eager and self.attn_backend.supports_cuda_graphs
-                and not eager_layers
+                and not eager_layers and not eager_drafter
                 and not state.host_collectives  # gloo's collectives cannot be captured
                 and not uncapturable):
             # Every rank of an EP group captures the same sizes in the same order: their warm-up passes'
@@ -359,18 +373,18 @@ class ModelRunner:
                 logits, torch.tensor(targets, device=self.device), num_top)
         pending = self._track(PendingOutput(self, self._step, output, host.sampling_requests, sampled_host, event,
                                             host.sampling_rows, logprobs if host.sampling_requests else None))
-        if self.mtp_tokens:  # the drafts follow the tokens this step keeps: wait for them
+        if self.draft_tokens:  # the drafts follow the tokens this step keeps: wait for them
             self.resolve_until(self._step)
-            output.draft_token_ids = self._mtp_draft(host, hidden, scheduled)
+            output.draft_token_ids = self._draft(host, hidden, scheduled)
         return pending
 
-    def _mtp_draft(self, host: HostInputs, hidden: torch.Tensor, scheduled: SchedulerOutput) -> dict[str, list[int]]:
-        """Drafts with the model's MTP layer, after the step's tokens are recorded. First over every position
-        the step computed and kept (its own cache entries for them, which later drafts attend to): position p
-        takes token p + 1 and the target's hidden state at p; a sampling request's last kept position gives
-        its first draft. Then k - 1 single-token steps, each from the previous draft and the MTP layer's own
-        pre-norm hidden state, at the next position (blocks the scheduler gave as lookahead; a request out of
-        blocks or context stops drafting). Greedy (argmax) drafts."""
+    def _draft(self, host: HostInputs, hidden: torch.Tensor, scheduled: SchedulerOutput) -> dict[str, list[int]]:
+        """Drafts with the model drafter (MTP layer, EAGLE3 head), after the step's tokens are recorded. First
+        over every position the step computed and kept (the drafter's own cache entries for them, which later
+        drafts attend to): position p takes token p + 1 and the target's hidden state(s) at p; a sampling
+        request's last kept position gives its first draft. Then k - 1 single-token steps, each from the
+        previous draft and the drafter's own pre-norm hidden state, at the next position (blocks the scheduler
+        gave as lookahead; a request out of blocks or context stops drafting). Greedy (argmax) drafts."""
         rows, ids, positions, starts, seq_lens, computed, slots, tables = [], [], [], [0], [], [], [], []
         last_rows, drafting = [], []
         sampling = {request.request_id for request in host.sampling_requests}
@@ -392,17 +406,18 @@ class ModelRunner:
         metadata = self._attention_metadata(num_decodes, starts, seq_lens, computed, tables,
                                             [np.concatenate(slots), *host.group_slot_mappings], host.state_slots,
                                             self._group_keys)
-        normed, pre = self._mtp_pass(metadata, ids, positions, hidden[self._to_device(np.asarray(rows))], scheduled)
+        first = self.drafter.first_hidden(hidden, self._to_device(np.asarray(rows)))
+        normed, pre = self._draft_pass(metadata, ids, positions, first)
         if not drafting:
             return {}
         last = self._to_device(np.asarray(last_rows))
-        tokens = self.model.compute_logits(normed[last]).argmax(dim=-1)
+        tokens = self.drafter.tokens(normed[last])
         drafts = [[token] for token in tokens.tolist()]
         previous = pre[last]
         # The position each draft step computes: the last kept one, then the newest token's, and on.
         position = [request.num_tokens - 2 for request in drafting]
         live = list(range(len(drafting)))
-        for _ in range(self.mtp_tokens - 1):
+        for _ in range(self.draft_tokens - 1):
             live = [i for i in live if position[i] + 1 < min(self.max_model_len,
                                                                len(drafting[i].block_ids) * self.block_size)]
             if not live:
@@ -419,21 +434,20 @@ class ModelRunner:
                                                 [position[i] + 1 for i in live], [position[i] for i in live],
                                                 [table], [step_slots], [-1] * len(requests), self._group_keys)
             live_rows = self._to_device(np.asarray(live))
-            normed, pre = self._mtp_pass(metadata, [drafts[i][-1] for i in live], [position[i] for i in live],
-                                         previous[live_rows], scheduled)
-            tokens = self.model.compute_logits(normed).argmax(dim=-1).tolist()
+            normed, pre = self._draft_pass(metadata, [drafts[i][-1] for i in live], [position[i] for i in live],
+                                           previous[live_rows])
+            tokens = self.drafter.tokens(normed).tolist()
             for i, token in zip(live, tokens):
                 drafts[i].append(token)
             previous = previous.clone()
             previous[live_rows] = pre
         return {request.request_id: d for request, d in zip(drafting, drafts)}
 
-    def _mtp_pass(self, metadata, ids: list[int], positions: list[int], previous_hidden: torch.Tensor,
-                  scheduled: SchedulerOutput):
+    def _draft_pass(self, metadata, ids: list[int], positions: list[int], previous_hidden: torch.Tensor):
         moe = MoEStep(padded_step_tokens(max(len(ids), 1), self.step_buckets))
         with forward_context(metadata, self.block_size, moe):
-            return self.model.mtp_forward(self._to_device(np.asarray(ids, dtype=np.int64)),
-                                          previous_hidden, self._to_device(np.asarray(positions, dtype=np.int64)))
+            return self.drafter.forward(self._to_device(np.asarray(ids, dtype=np.int64)), previous_hidden,
+                                        self._to_device(np.asarray(positions, dtype=np.int64)))
 
     def _track(self, pending: PendingOutput) -> PendingOutput:
         self._unresolved.append(pending)

@@ -8,9 +8,9 @@ from engine.config import ConfigError
 
 # Methods that are built (and vLLM's other names for them), and the ones vLLM users may name that are not
 # (yet): refused by name.
-METHODS = ("ngram", "mtp")
+METHODS = ("ngram", "mtp", "eagle3")
 ALIASES = {"deepseek_mtp": "mtp"}
-NOT_YET = {"eagle": "EAGLE drafters", "eagle3": "EAGLE3 drafters", "draft_model": "separate draft models",
+NOT_YET = {"eagle": "EAGLE (1/2) drafters", "draft_model": "separate draft models",
            "medusa": "Medusa heads"}
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -64,6 +64,9 @@ class SpeculativeConfig:
         if self.method == "ngram" and self.model is not None:
             raise ConfigError("speculative_config.model is not used by method 'ngram' (it drafts from the "
                               "request's own tokens); leave it out")
+        if self.method == "eagle3" and not isinstance(self.model, str):
+            raise ConfigError("speculative_config.model is required for method 'eagle3': the folder of the EAGLE3 "
+                              "draft checkpoint")
         if self.method == "mtp" and self.model is not None:
             raise ConfigError("speculative_config.model is not used by method 'mtp' (it drafts with the "
                               "checkpoint's own multi-token-prediction layer); leave it out")
@@ -72,7 +75,7 @@ class SpeculativeConfig:
     def lookahead_tokens(self) -> int:
         """Cache positions past a step's tokens that its drafting writes (a model drafter's own cache entries
         for drafts 2..k), which the scheduler gives blocks for."""
-        return self.num_speculative_tokens if self.method == "mtp" else 0
+        return self.num_speculative_tokens if self.method in ("mtp", "eagle3") else 0
 
     def _int(self, name: str, low: int, high: int | None = None) -> None:
         value = getattr(self, name)

@@ -46,9 +46,9 @@ class Speculator:
         request.spec_token_ids = drafts
 
 
-class MtpSpeculator(Speculator):
-    """The runner drafts with the model's MTP layer after each step (RunnerOutput.draft_token_ids); the
-    requests take as many as they may."""
+class DrafterSpeculator(Speculator):
+    """The runner drafts with a model drafter (the MTP layer, an EAGLE3 head) after each step
+    (RunnerOutput.draft_token_ids); the requests take as many as they may."""
 
     def propose(self, running: list[Request], output) -> None:
         drafts = output.draft_token_ids if output is not None else {}

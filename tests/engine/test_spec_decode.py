@@ -259,7 +259,8 @@ def test_mid_flight_joins_chunked_prefill_preemption_and_abort_match_and_free_ev
 @pytest.mark.parametrize("value, message", [
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "medusa2", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "EAGLE3 drafters are not built yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "EAGLE \\(1/2\\) drafters are not built yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "model is required for method .eagle3."),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer from 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_max must be an integer >= 3"),
