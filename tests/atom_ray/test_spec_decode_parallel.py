@@ -52,3 +52,20 @@ def test_mtp_drafting_at_tp2_gives_the_single_process_tokens(ray_cluster, tmp_pa
         assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     finally:
         engine.shutdown()
+
+
+def test_eagle3_drafting_at_tp2_gives_the_single_process_tokens(ray_cluster, tiny_model_dirs, tmp_path):
+    import tiny_models
+    folder = str(tiny_model_dirs["llama"])
+    draft = str(tiny_models.make_random_eagle3_draft(tmp_path / "draft", tiny_model_dirs["llama"]))
+    single = LLM(folder, dtype="float32", show_progress=False)
+    expected = [o.token_ids for o in single.generate(PROMPTS, PARAMS[0])]
+    single.shutdown()
+    engine = atom_ray.start(folder, dtype="float32", tensor_parallel_size=2,
+                            speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2})
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS[0])] == expected
+        stats = engine.stats()
+        assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    finally:
+        engine.shutdown()
