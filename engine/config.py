@@ -90,10 +90,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from engine.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method == "mtp" and self.lockstep:
-            raise ConfigError("speculative_config.method 'mtp' is not supported with data_parallel_size > 1 and "
-                              "enable_expert_parallel yet: every DP rank would have to run the MTP layer's expert "
-                              "exchanges in step with the others; use method 'ngram', or tensor parallelism")
         self._check(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty string")
         self._check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         self._check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")

@@ -127,6 +127,7 @@ class ModelRunner:
             head, layer_ids = build_eagle3(spec.model, self.model, self.dtype, device, show_progress)
             self.model.eagle3 = head  # a submodule: its attention's cache is allocated with the target's
             self.drafter = Eagle3Draft(self.model, head, layer_ids)
+        self._draft_in_lockstep = bool(config.lockstep and self.drafter is not None and self.drafter.exchanges_experts)
         if self.uses_cuda:  # every TP rank builds its runner at once: a collective set-up
             text = getattr(source.hf_config, "text_config", None) or source.hf_config
             enable_fused_all_reduce_norm(int(text.hidden_size), device)
@@ -332,6 +333,10 @@ class ModelRunner:
         if scheduled.is_empty:
             if scheduled.dummy:
                 self._dummy_forward(scheduled)
+                if self._draft_in_lockstep:  # the other ranks' drafters exchange tokens k times
+                    padded = padded_step_tokens(self._step_tokens(scheduled), self.step_buckets)
+                    for _ in range(self.draft_tokens):
+                        self._empty_draft_pass(padded)
             return self._track(PendingOutput(self, self._step, RunnerOutput(), [], None, None))
         needed = 0
         for request_id in scheduled.num_scheduled_tokens:
@@ -407,8 +412,14 @@ class ModelRunner:
                                             [np.concatenate(slots), *host.group_slot_mappings], host.state_slots,
                                             self._group_keys)
         first = self.drafter.first_hidden(hidden, self._to_device(np.asarray(rows)))
-        normed, pre = self._draft_pass(metadata, ids, positions, first)
+        # Lockstep DP + EP: a drafter with experts exchanges tokens in each pass, so every rank runs k passes
+        # a step, padded as the step's own exchanges are (ranks without drafts run empty ones).
+        padded = padded_step_tokens(self._step_tokens(scheduled), self.step_buckets) if self._draft_in_lockstep \
+            else None
+        normed, pre = self._draft_pass(metadata, ids, positions, first, padded)
         if not drafting:
+            for _ in range(self.draft_tokens - 1 if padded else 0):
+                self._empty_draft_pass(padded)
             return {}
         last = self._to_device(np.asarray(last_rows))
         tokens = self.drafter.tokens(normed[last])
@@ -421,7 +432,10 @@ class ModelRunner:
             live = [i for i in live if position[i] + 1 < min(self.max_model_len,
                                                                len(drafting[i].block_ids) * self.block_size)]
             if not live:
-                break
+                if padded is None:
+                    break
+                self._empty_draft_pass(padded)
+                continue
             for i in live:
                 position[i] += 1
             requests = [drafting[i] for i in live]
@@ -435,7 +449,7 @@ class ModelRunner:
                                                 [table], [step_slots], [-1] * len(requests), self._group_keys)
             live_rows = self._to_device(np.asarray(live))
             normed, pre = self._draft_pass(metadata, [drafts[i][-1] for i in live], [position[i] for i in live],
-                                           previous[live_rows])
+                                           previous[live_rows], padded)
             tokens = self.drafter.tokens(normed).tolist()
             for i, token in zip(live, tokens):
                 drafts[i].append(token)
@@ -443,11 +457,20 @@ class ModelRunner:
             previous[live_rows] = pre
         return {request.request_id: d for request, d in zip(drafting, drafts)}
 
-    def _draft_pass(self, metadata, ids: list[int], positions: list[int], previous_hidden: torch.Tensor):
-        moe = MoEStep(padded_step_tokens(max(len(ids), 1), self.step_buckets))
+    def _draft_pass(self, metadata, ids: list[int], positions: list[int], previous_hidden: torch.Tensor,
+                    padded: int | None = None):
+        moe = MoEStep(padded or padded_step_tokens(max(len(ids), 1), self.step_buckets))
         with forward_context(metadata, self.block_size, moe):
             return self.drafter.forward(self._to_device(np.asarray(ids, dtype=np.int64)), previous_hidden,
                                         self._to_device(np.asarray(positions, dtype=np.int64)))
+
+    def _empty_draft_pass(self, padded: int) -> None:
+        """A draft pass with nothing to draft (lockstep DP + EP): one padding row that reaches no expert and
+        writes no cache, so that this rank's drafter joins the other ranks' exchanges."""
+        token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        hidden = torch.zeros(1, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        with forward_context(None, self.block_size, MoEStep(padded, valid_tokens=0)):
+            self.drafter.forward(token, hidden, token)
 
     def _track(self, pending: PendingOutput) -> PendingOutput:
         self._unresolved.append(pending)

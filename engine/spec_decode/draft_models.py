@@ -9,6 +9,7 @@ class MtpDraft:
     """The target's own MTP layer (engine/models/mtp.py): it reads the target's last hidden state."""
 
     needs_eager_target = False
+    exchanges_experts = True  # its decoder layer is a MoE layer like the target's (EP exchanges)
 
     def __init__(self, model) -> None:
         self.model = model
@@ -28,6 +29,7 @@ class Eagle3Draft:
     the target's layers keep while they run eagerly (decode graphs are not captured with it)."""
 
     needs_eager_target = True
+    exchanges_experts = False  # a dense Llama layer
 
     def __init__(self, model, drafter, layer_ids: tuple[int, ...]) -> None:
         self.model, self.drafter, self.layer_ids = model, drafter, layer_ids

@@ -69,3 +69,24 @@ def test_eagle3_drafting_at_tp2_gives_the_single_process_tokens(ray_cluster, tin
         assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     finally:
         engine.shutdown()
+
+
+def test_mtp_drafting_at_dp2_ep2_gives_the_single_process_tokens(ray_cluster, tmp_path):
+    """Each DP rank drafts for its own requests; the MTP layer's experts are split over both ranks, so every
+    rank runs k draft passes a step, empty ones where it has nothing to draft or nothing to run (one request:
+    the other rank idles through dummy steps)."""
+    import tiny_models
+    folder = str(tiny_models.add_random_mtp_layer(
+        tiny_models.make_tiny_model(tmp_path / "dsv3", "deepseek_v3", num_nextn_predict_layers=1)))
+    single = LLM(folder, dtype="float32", show_progress=False)
+    expected = [o.token_ids for o in single.generate(PROMPTS, PARAMS[0])]
+    single.shutdown()
+    engine = atom_ray.start(folder, dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+                            speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS[:1], PARAMS[0])] == expected[:1]
+        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS[0])] == expected
+        stats = engine.stats()
+        assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    finally:
+        engine.shutdown()
