@@ -188,8 +188,6 @@ class LLMEngine:
         if layout.num_state_slots:
             blockers.append("a recurrent state per request (linear attention / state-space layers), which a "
                             "rejected draft would leave advanced")
-        if any(group.window for group in layout.groups):
-            blockers.append("sliding-window caches, whose blocks are released as the window passes")
         if any(group.ratio != 1 for group in layout.groups):
             blockers.append("compressed caches (one entry per several tokens)")
         if blockers:
