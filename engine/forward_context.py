@@ -28,15 +28,18 @@ class ForwardContext:
     attn_metadata: object
     block_size: int
     moe: MoEStep | None = None
+    # Speculative decoding: the sequences (indices in the metadata) that verify drafts in this pass. Layers
+    # with per-request state keep what they need to move it back to after the drafts the step keeps.
+    verify_seqs: tuple[int, ...] = ()
 
 
 _context: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(attn_metadata, block_size: int, moe: MoEStep | None = None):
+def forward_context(attn_metadata, block_size: int, moe: MoEStep | None = None, verify_seqs: tuple[int, ...] = ()):
     global _context
-    previous, _context = _context, ForwardContext(attn_metadata, block_size, moe)
+    previous, _context = _context, ForwardContext(attn_metadata, block_size, moe, verify_seqs)
     try:
         yield _context
     finally:

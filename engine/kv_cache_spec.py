@@ -131,6 +131,7 @@ class CacheLayout:
     groups: tuple[CacheGroupLayout, ...]
     num_state_slots: int = 0
     state_bytes_per_slot: int = 0
+    state_kinds: tuple[str, ...] = ()  # the kinds of per-request state (StateSpec.kind), for logs and checks
 
     @property
     def total_bytes(self) -> int:

@@ -185,9 +185,11 @@ class LLMEngine:
         if spec is None:
             return None
         blockers = []
-        if layout.num_state_slots:
-            blockers.append("a recurrent state per request (linear attention / state-space layers), which a "
-                            "rejected draft would leave advanced")
+        movable = {"gdn_conv_state", "gdn_recurrent_state"}  # Gated DeltaNet moves its states back
+        other = [kind for kind in layout.state_kinds if kind not in movable]
+        if layout.num_state_slots and (other or not layout.state_kinds):
+            blockers.append(f"per-request state ({', '.join(other) or 'of an unknown kind'}) that a rejected "
+                            "draft would leave advanced")
         if any(group.ratio != 1 for group in layout.groups):
             blockers.append("compressed caches (one entry per several tokens)")
         if blockers:

@@ -35,6 +35,9 @@ class GatedDeltaNet(KVCacheLayer):
 
     def __init__(self, config) -> None:
         super().__init__()
+        # Speculative decoding: per state slot of a sequence verifying drafts in the latest step, the states
+        # before it and its inputs, until `keep_verified` moves the states to after the tokens kept.
+        self.spec_stash: dict[int, tuple] = {}
         state = get_parallel_state()
         self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
@@ -142,16 +145,40 @@ class GatedDeltaNet(KVCacheLayer):
         caches = self.caches or {}
         q, k, v, z = ops.gemm(hidden_states, self.in_proj_qkvz.weight, None).split(self.split, dim=-1)
         b, a = ops.gemm(hidden_states, self.in_proj_ba.weight, None).split(self.nv_local, dim=-1)
-        mixed = ops.causal_conv1d(torch.cat([q, k, v], dim=-1), self.conv1d.weight, caches.get("conv"), metadata)
+        conv_input = torch.cat([q, k, v], dim=-1)
+        verify = get_forward_context().verify_seqs if caches else ()
+        snapshots = [self._snapshot(metadata, seq, caches) for seq in verify]  # before the ops advance them
+        mixed = ops.causal_conv1d(conv_input, self.conv1d.weight, caches.get("conv"), metadata)
         q, k, v = mixed.split(self.split[:3], dim=-1)
         q = q.reshape(tokens, self.nk_local, self.dk).repeat_interleave(self.ratio, dim=1)
         k = k.reshape(tokens, self.nk_local, self.dk).repeat_interleave(self.ratio, dim=1)
         v = v.reshape(tokens, self.nv_local, self.dv)
         beta = torch.sigmoid(b)
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        for slot, begin, end, conv_state, ssm_state in snapshots:
+            self.spec_stash[slot] = (conv_state, ssm_state, conv_input[begin:end].clone(),
+                                     *(t[begin:end].clone() for t in (q, k, v, g, beta)))
         o = ops.gated_delta_rule(q, k, v, g, beta, caches.get("ssm"), metadata)
         o = self.norm(o, z.reshape(tokens, self.nv_local, self.dv))
         return self.out_proj(o.reshape(tokens, -1))
+
+
+    # ---- speculative decoding: moving a verify step's state back ------------------------------------------
+    def _snapshot(self, metadata, seq: int, caches: dict):
+        slot = metadata.state_slots_cpu[seq]
+        begin, end = metadata.query_start_loc_cpu[seq], metadata.query_start_loc_cpu[seq + 1]
+        return slot, begin, end, caches["conv"][slot].clone(), caches["ssm"][slot].clone()
+
+    def keep_verified(self, slot: int, num_kept: int) -> None:
+        """A verify step on state slot `slot` kept its first `num_kept` tokens: the states become those
+        after them (recomputed from the state before the step and the step's inputs, kept for this)."""
+        conv_state, ssm_state, conv_input, q, k, v, g, beta = self.spec_stash.pop(slot)
+        if num_kept == conv_input.shape[0]:
+            return  # every token kept: the step's own states are right
+        from engine.kernels.torch.gdn import conv_state_after, state_after
+        self.caches["conv"][slot] = conv_state_after(conv_state, conv_input[:num_kept])
+        self.caches["ssm"][slot] = state_after(ssm_state, q[:num_kept], k[:num_kept], v[:num_kept], g[:num_kept],
+                                               beta[:num_kept])
 
 
 def _check(tensor: torch.Tensor, shape: tuple, what: str) -> None:

@@ -88,7 +88,9 @@ class CachePools:
             key, num_token_blocks, self.block_size, self.max_num_seqs, self.max_batched_tokens),
             per_block[key], tuple(kinds[key])) for key in per_block)
         state_bytes = self.state_bytes_per_slot()
-        return CacheLayout(self.block_size, groups, self.max_num_seqs if state_bytes else 0, state_bytes)
+        state_kinds = tuple(sorted({spec.kind for _, specs in self.layer_specs for spec in specs.values()
+                                    if isinstance(spec, StateSpec)}))
+        return CacheLayout(self.block_size, groups, self.max_num_seqs if state_bytes else 0, state_bytes, state_kinds)
 
     def most_blocks_within(self, budget: int, cap: int) -> int:
         """The largest token-block count (at most `cap`) whose pools fit `budget` bytes (they grow with it)."""

@@ -88,6 +88,8 @@ class PendingOutput:
                 if drafts:  # the rejected drafts' cache positions are stale, written over later
                     request.num_computed_tokens -= len(drafts) - kept
                     request.spec_token_ids = []
+                    if request.state_slot >= 0:  # per-request state: back to after the kept tokens
+                        self._runner.keep_verified(request.state_slot, kept + 1)
                 num_top = request.params.logprobs
                 if self._logprobs is not None and num_top is not None:
                     output.logprobs[request.request_id] = _slice_logprobs(self._logprobs, first, len(new), num_top)
@@ -527,8 +529,16 @@ class ModelRunner:
                                             [host.slot_mapping, *host.group_slot_mappings], host.state_slots,
                                             self._group_keys)
         moe = MoEStep(padded_step_tokens(self._step_tokens(scheduled), self.step_buckets))
-        with forward_context(metadata, self.block_size, moe):
+        verify = tuple(index for index, request in enumerate(host.requests) if request.spec_token_ids)
+        with forward_context(metadata, self.block_size, moe, verify):
             return self.model(input_ids, positions)
+
+    def keep_verified(self, slot: int, num_kept: int) -> None:
+        """A verify step on state slot `slot` kept `num_kept` tokens: every stateful layer's state follows."""
+        for layer in self.cache_layers:
+            keep = getattr(layer, "keep_verified", None)
+            if keep is not None:
+                keep(slot, num_kept)
 
     def _update_states(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_request_ids:

@@ -279,11 +279,73 @@ def test_config_takes_a_mapping_or_the_object():
     assert EngineConfig("m", speculative_config=config).speculative_config is config
 
 
-def test_models_whose_caches_cannot_move_back_are_refused(tmp_path):
-    from tiny_models import make_tiny_qwen3_next
-    with pytest.raises(ConfigError, match="speculative_config: .*recurrent state"):
-        LLM(str(make_tiny_qwen3_next(tmp_path / "qwen3-next")), show_progress=False, speculative_config=NGRAM,
+def test_models_whose_state_cannot_move_back_are_refused(tmp_path):
+    from tiny_models import make_tiny_v4_model
+    with pytest.raises(ConfigError, match="speculative_config: .*compressed caches"):
+        LLM(str(make_tiny_v4_model(tmp_path / "v4")), show_progress=False, speculative_config=NGRAM,
             max_model_len=128)
+
+
+class OracleDrafts:
+    """Drafts the tokens a run without speculation produced, each right with probability p (else another
+    token): verify steps keep every number of drafts from none to all."""
+
+    def __init__(self, expected: dict[tuple, list[int]], k: int, p: float, vocab_size: int) -> None:
+        import random
+        self.expected, self.k, self.p, self.vocab_size = expected, k, p, vocab_size
+        self.rng = random.Random(0)
+
+    def propose(self, running, output=None) -> None:
+        for request in running:
+            request.spec_token_ids = []
+            if request.num_tokens_to_compute != 1 or request.num_pending_tokens:
+                continue
+            future = self.expected[tuple(request.prompt_token_ids)][request.num_output_tokens:]
+            room = min(request.max_tokens - request.num_output_tokens, len(future)) - 1
+            drafts = future[:max(0, min(self.k, room))]
+            request.spec_token_ids = [t if self.rng.random() < self.p else (t + 1) % self.vocab_size for t in drafts]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+def test_gated_deltanet_states_move_back_to_the_kept_drafts(tmp_path, model_type, monkeypatch):
+    """Qwen3-Next / Qwen3.5: a verify step advances the recurrent and conv states over every drafted token;
+    the states then become those after the tokens kept (from the states before the step and the step's
+    inputs). Drafts right with probability 0.6 make verify steps keep every count from none to all; greedy
+    and seeded tokens equal a run without speculation, whole and in 8-token chunks with preemption; without
+    the move back they do not (negative control)."""
+    import tiny_models
+    from engine.layers.gated_delta_net import GatedDeltaNet
+    folder = str(tiny_models.make_tiny_qwen3_next(tmp_path / model_type, model_type=model_type))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6] * 3, list(range(10, 30)) * 2, [100] * 9 + [200], list(range(3, 40))]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+
+    def run(params, speculate, **args):
+        llm = LLM(folder, dtype="float32", show_progress=False, speculative_config=ngram if speculate else None, **args)
+        try:
+            if speculate:
+                llm.engine.speculator = OracleDrafts(speculate, 3, 0.6, tiny_models.VOCAB_SIZE)
+            outputs = [o.token_ids for o in llm.generate(prompts, params)]
+            return outputs, llm.engine.stats()
+        finally:
+            llm.shutdown()
+
+    tight = dict(max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=26, block_size=4, max_model_len=96)
+    preemptions = 0
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)):
+        for args in ({}, tight):
+            expected, _ = run(params, None, **args)
+            oracle = {tuple(p): e for p, e in zip(prompts, expected)}
+            got, stats = run(params, oracle, **args)
+            assert got == expected
+            kept, drafted = stats["spec_accepted_tokens"], stats["spec_draft_tokens"]
+            assert 0.2 * drafted < kept < 0.9 * drafted, stats  # partial keeps, not all or nothing
+            assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+            preemptions += stats["num_preemptions"]
+    assert preemptions > 0
+    monkeypatch.setattr(GatedDeltaNet, "keep_verified", lambda self, slot, num_kept: self.spec_stash.pop(slot))
+    broken, _ = run(params, oracle, **tight)
+    assert broken != expected
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])

@@ -87,3 +87,22 @@ def _recurrent_step(state, q, k, v, decay, beta):
     delta = (v - remembered) * beta[..., None]
     state.add_(k[..., None] * delta[..., None, :])
     return (state * q[..., None]).sum(dim=-2)
+
+
+def conv_state_after(history: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The conv state [C, K - 1] after inputs x [L, C] from `history` (a speculative step's kept tokens)."""
+    window = torch.cat([history, x.t().to(history.dtype)], dim=1)
+    return window[:, -history.shape[1]:]
+
+
+def state_after(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> torch.Tensor:
+    """The recurrent state [Hv, dk, dv] after the tokens (rows of q, k, v, g, beta as `gated_delta_rule` takes
+    them) from `state`, which is not changed: the same float32 recurrence."""
+    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    k, v = _l2norm(k.float()), v.float()
+    decay, beta = g.float().exp(), beta.float()
+    current = state.clone()[None]
+    for t in range(q.shape[0]):
+        _recurrent_step(current, q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1])
+    return current[0]
