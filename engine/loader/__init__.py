@@ -68,11 +68,11 @@ def check_mtp_support(model_class, hf_config) -> None:
     """Raises ConfigError naming speculative_config where the model cannot draft with its MTP layer."""
     from engine.config import ConfigError
     if not getattr(model_class, "supports_mtp", False):
-        raise ConfigError(f"speculative_config.method 'mtp': MTP drafting is built for DeepSeek-V2/V3 (Kimi-K2) "
-                          f"and GLM-4.5/4.6 checkpoints only, not {model_class.__name__}")
-    if not (getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
+        raise ConfigError(f"speculative_config.method 'mtp': MTP drafting is built for DeepSeek-V2/V3 (Kimi-K2), "
+                          f"GLM-4.5/4.6, Qwen3-Next and Qwen3.5 checkpoints only, not {model_class.__name__}")
+    if not model_class.num_mtp_layers(hf_config):
         raise ConfigError("speculative_config.method 'mtp': this checkpoint has no multi-token-prediction layer "
-                          "(its config's num_nextn_predict_layers is 0 or missing)")
+                          "(its config's num_nextn_predict_layers / mtp_num_hidden_layers is 0 or missing)")
 
 
 def load_weights(model: nn.Module, weights, total: int | None = None, show_progress: bool = True,
@@ -137,9 +137,8 @@ def load_weights(model: nn.Module, weights, total: int | None = None, show_progr
     if missing and all(name.startswith("mtp.") for name in missing):
         from engine.config import ConfigError
         raise ConfigError("speculative_config.method 'mtp': the checkpoint has no weights for its multi-token-"
-                          f"prediction layer (its config says num_nextn_predict_layers="
-                          f"{getattr(model.config, 'num_nextn_predict_layers', None)}, but the layer after the "
-                          f"last decoder layer is not in the files), e.g. {missing[:3]}")
+                          f"prediction layer (its config declares {model.num_mtp_layers(model.config)}, but the files "
+                          f"lack it), e.g. {missing[:3]}")
     if missing:
         raise ModelSourceError(f"checkpoint lacks weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
 

@@ -27,6 +27,7 @@ _TEXT_PREFIXES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("lm_head.", "lm_head."),
+    ("mtp.", "mtp."),  # Qwen3.5's multi-token-prediction layer (the text model skips it unless it drafts)
 )
 # Wrapper-level fields that hold for the text stack where its text_config leaves them out.
 _INHERITED_FIELDS = ("tie_word_embeddings", "quantization_config", "torch_dtype", "dtype", "bos_token_id",

@@ -46,6 +46,10 @@ class MultiTokenPredictionMixin:
 
     supports_mtp = True
 
+    @staticmethod
+    def num_mtp_layers(config) -> int:
+        return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+
     def __init__(self, config, residual_dtype: torch.dtype | None = None, mtp: bool = False) -> None:
         super().__init__(config, residual_dtype)
         self.mtp = None
@@ -73,7 +77,7 @@ class MultiTokenPredictionMixin:
 
     def remap_checkpoint_name(self, name: str) -> str | None:
         config = self.config
-        if not is_mtp_layer_tensor(name, config, getattr(config, "num_nextn_predict_layers", 0) or 0):
+        if not is_mtp_layer_tensor(name, config, self.num_mtp_layers(config)):
             return name
         prefix = f"model.layers.{config.num_hidden_layers}."
         if self.mtp is None or not name.startswith(prefix):  # not asked for, or a second MTP layer
@@ -82,3 +86,68 @@ class MultiTokenPredictionMixin:
         if rest.startswith(_SHARED):
             return None
         return "mtp." + _OWN.get(rest, "block." + rest)
+
+
+class QwenMultiTokenPredictor(nn.Module):
+    """Qwen3-Next's and Qwen3.5's MTP layer (checkpoint names `mtp.*`): `fc` over cat(pre_fc_norm_embedding(
+    embedding), pre_fc_norm_hidden(hidden)), one gated full-attention decoder layer with the model's MLP
+    (`mtp.layers.0`), `norm`, the target's head. `forward` as MultiTokenPredictor's."""
+
+    def __init__(self, config, decoder_layer: nn.Module, make_norm) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.pre_fc_norm_embedding = make_norm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = make_norm(hidden, config.rms_norm_eps)
+        self.fc = ReplicatedLinear(2 * hidden, hidden)
+        self.block = decoder_layer
+        self.norm = make_norm(hidden, config.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor):
+        hidden = self.fc(torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(previous_hidden)),
+                                   dim=-1))
+        hidden, residual = self.block(positions, hidden, None)
+        return self.norm(hidden, residual)
+
+
+class QwenMultiTokenPredictionMixin:
+    """MultiTokenPredictionMixin's counterpart for Qwen3-Next / Qwen3.5 checkpoints, whose MTP layer is
+    `mtp.*` (its depth: `num_nextn_predict_layers`, or Qwen3.5's `mtp_num_hidden_layers`); built with `mtp=True`,
+    skipped otherwise. `build_mtp_attention()` makes its full-attention block."""
+
+    supports_mtp = True
+
+    @staticmethod
+    def num_mtp_layers(config) -> int:
+        return int(getattr(config, "num_nextn_predict_layers", 0) or getattr(config, "mtp_num_hidden_layers", 0) or 0)
+
+    def __init__(self, config, residual_dtype: torch.dtype | None = None, mtp: bool = False) -> None:
+        super().__init__(config, residual_dtype)
+        self.mtp = None
+        if mtp:
+            layer = LlamaDecoderLayer(config, self.build_mtp_attention(), self.build_mlp(config.num_hidden_layers),
+                                      residual_dtype, self.make_norm)
+            self.mtp = QwenMultiTokenPredictor(config, layer, self.make_norm)
+
+    def mtp_forward(self, input_ids: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor):
+        return self.mtp(self.model.embed_tokens(input_ids), previous_hidden, positions)
+
+    @classmethod
+    def mtp_checkpoint_layout(cls, config, layout: list[tuple[str, tuple[int, ...]]]) -> list:
+        """`layout` with the MTP layer's tensors added: its decoder layer shaped as the last full-attention
+        layer's, and its own fc and norms (for dummy weights)."""
+        full = max(i for i, kind in enumerate(config.layer_types) if kind == "full_attention")
+        prefix, hidden = f"model.layers.{full}.", config.hidden_size
+        extra = [(f"mtp.layers.0.{name[len(prefix):]}", shape) for name, shape in layout if name.startswith(prefix)]
+        extra += [(f"mtp.{name}.weight", (hidden,)) for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")]
+        extra.append(("mtp.fc.weight", (hidden, 2 * hidden)))
+        return layout + extra
+
+    def remap_mtp_name(self, name: str) -> str | None:
+        """A checkpoint name under `mtp.`: ours, or None (not built, or a second MTP layer)."""
+        if self.mtp is None:
+            return None
+        if name.startswith("mtp.layers.0."):
+            return "mtp.block." + name[len("mtp.layers.0."):]
+        if name.startswith("mtp.layers."):
+            return None
+        return name

@@ -21,6 +21,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of, rotary_dim_of
+from engine.models.mtp import QwenMultiTokenPredictionMixin
 from engine.models.qwen3_moe import qwen_sparse_layer
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -61,10 +62,10 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
 
 
-class Qwen3NextForCausalLM(LlamaForCausalLM):
+class Qwen3NextForCausalLM(QwenMultiTokenPredictionMixin, LlamaForCausalLM):
     norm_style = "offset"  # (1 + w) in float32, every norm of the model
 
-    def __init__(self, config, residual_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config, residual_dtype: torch.dtype | None = None, mtp: bool = False) -> None:
         types = list(config.layer_types)
         unknown = sorted(set(types) - set(LAYER_TYPES))
         if unknown:
@@ -72,11 +73,14 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         self.layer_types = types
-        super().__init__(config, residual_dtype)
+        super().__init__(config, residual_dtype, mtp)
 
     def build_attention(self, layer_index: int) -> nn.Module:
         if self.layer_types[layer_index] == "linear_attention":
             return GatedDeltaNet(self.config)
+        return GatedAttention(self.config)
+
+    def build_mtp_attention(self) -> nn.Module:
         return GatedAttention(self.config)
 
     def is_sparse_layer(self, layer_index: int) -> bool:
@@ -96,6 +100,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
                         shared_experts=shared, shared_expert_gate=shared is not None)
 
     def remap_checkpoint_name(self, name: str) -> str | None:
+        if name.startswith("mtp."):  # the multi-token-prediction layer: built only for speculative decoding
+            name = self.remap_mtp_name(name)
+            if name is None:
+                return None
         name = name.replace(".linear_attn.", ".self_attn.")
         return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
 

@@ -171,12 +171,19 @@ def test_mtp_is_refused_where_it_cannot_draft(tiny_model_dirs):
         LLM(str(tiny_model_dirs["llama"]), show_progress=False, speculative_config=MTP)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def tiny_with_mtp(folder, arch):
+    if arch.startswith("qwen3"):  # Qwen3-Next / Qwen3.5: the mtp.* layout, Gated DeltaNet target layers
+        return tiny_models.make_tiny_qwen3_next(folder, model_type=arch, num_nextn_predict_layers=1)
+    return tiny_models.make_tiny_model(folder, arch, num_nextn_predict_layers=1)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_untrained_mtp_layers_give_the_tokens_without_speculation(tmp_path, arch):
-    """Random MTP weights (GLM-4.5's layout is DeepSeek's): drafts run and are mostly rejected, the tokens are
-    those of a run without speculation, with chunked prefill and preemption, and nothing leaks."""
-    folder = str(tiny_models.add_random_mtp_layer(
-        tiny_models.make_tiny_model(tmp_path / arch, arch, num_nextn_predict_layers=1)))
+    """Random MTP weights (GLM-4.5's layout is DeepSeek's; Qwen3-Next's and Qwen3.5's are `mtp.*`, beside
+    Gated DeltaNet layers whose states move back): drafts run and are mostly rejected, the tokens are those of a
+    run without speculation, with chunked prefill and preemption, and nothing leaks. The plain engine loads the
+    same files (the MTP tensors skipped)."""
+    folder = str(tiny_models.add_random_mtp_layer(tiny_with_mtp(tmp_path / arch, arch)))
     prompts = training_prompts()[:6] + [list(range(10, 40))]
     plain = LLM(folder, dtype="float32", show_progress=False)
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
