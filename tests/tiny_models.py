@@ -488,6 +488,16 @@ def add_random_mtp_layer(folder: Path, seed: int = 0) -> Path:
     extra = model_class_for(config).mtp_checkpoint_layout(config, layout)[len(layout):]
     tensors = {name: torch.ones(shape) if "norm" in name else torch.randn(*shape, generator=generator) * 0.1
                for name, shape in extra}
+    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
+        # Released checkpoints store the MTP layer's routed experts one by one (2-D, as quantized releases do),
+        # not in transformers' fused 3-D tensors.
+        prefix = name[:-len("gate_up_proj")]
+        gate_up, down = tensors.pop(name), tensors.pop(prefix + "down_proj")
+        gate, up = gate_up.chunk(2, dim=1)
+        for expert in range(gate_up.shape[0]):
+            tensors[f"{prefix}{expert}.gate_proj.weight"] = gate[expert].contiguous()
+            tensors[f"{prefix}{expert}.up_proj.weight"] = up[expert].contiguous()
+            tensors[f"{prefix}{expert}.down_proj.weight"] = down[expert].contiguous()
     save_file(tensors, str(folder / "model-mtp.safetensors"))
     return folder
 

@@ -15,9 +15,9 @@ from torch import nn
 from engine.layers.linear import ReplicatedLinear
 from engine.models.llama import LlamaDecoderLayer, is_mtp_layer_tensor
 
-# The layer's own tensors (checkpoint names under its prefix) and ours; its decoder layer's go under `block.`.
-_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-        "shared_head.norm.weight": "shared_head_norm.weight"}
+# The layer's own modules (checkpoint names under its prefix) and ours, whatever tensors they hold (an FP8
+# eh_proj has a scale beside its weight); its decoder layer's go under `block.`.
+_OWN = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "shared_head_norm."}
 _SHARED = ("embed_tokens.", "shared_head.head.")
 
 
@@ -85,7 +85,10 @@ class MultiTokenPredictionMixin:
         rest = name[len(prefix):]
         if rest.startswith(_SHARED):
             return None
-        return "mtp." + _OWN.get(rest, "block." + rest)
+        for theirs, ours in _OWN.items():
+            if rest.startswith(theirs):
+                return "mtp." + ours + rest[len(theirs):]
+        return "mtp.block." + rest
 
 
 class QwenMultiTokenPredictor(nn.Module):

@@ -194,3 +194,30 @@ def test_untrained_mtp_layers_give_the_tokens_without_speculation(tmp_path, arch
         assert tokens == expected
         assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert stats["num_preemptions"] > 0
+
+
+def test_an_fp8_checkpoint_loads_its_mtp_layer_quantized(tmp_path):
+    """DeepSeek's FP8 release stores the MTP layer like the others (128x128 FP8 blocks with weight_scale_inv,
+    experts one by one): written so by the quantizer, it loads into an FP8 MTP layer that drafts. (The tokens
+    are not compared with a run without speculation: under FP8 a verify step's MLA runs the expanded prefill
+    path, whose kv_b_proj quantizes its activations, where a decode step runs the absorbed one; they round
+    differently, more than bf16's near-ties.)"""
+    import subprocess
+    import sys
+    src = tiny_models.add_random_mtp_layer(tiny_models.make_tiny_model(
+        tmp_path / "src", "deepseek_v3", num_nextn_predict_layers=1, moe_intermediate_size=128, hidden_size=128,
+        intermediate_size=256))
+    dst = tmp_path / "fp8"
+    subprocess.run([sys.executable, "-m", "engine.quantization.quantizer", str(src), str(dst), "--format",
+                    "fp8-block"], check=True, capture_output=True)
+    llm = LLM(str(dst), dtype="float32", show_progress=False, speculative_config=MTP)
+    try:
+        mtp = llm.engine.executor.runner.model.mtp
+        assert mtp.eh_proj.quant_scheme.method == "fp8_block"
+        assert mtp.block.mlp.quant_scheme.method == "fp8_block"
+        assert mtp.block.self_attn.kv_b_proj.quant_scheme.method == "fp8_block"
+        llm.generate(training_prompts()[:4], GREEDY)
+        stats = llm.engine.stats()
+        assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    finally:
+        llm.shutdown()
