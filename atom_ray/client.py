@@ -24,7 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 def unwrap_ray_error(exc: BaseException) -> BaseException:
-    """The user-facing exception inside a RayTaskError (e.g. InvalidRequestError from add_request)."""
+    """The user-facing exception inside a RayTaskError (e.g. InvalidRequestError from add_request); a
+    coordinator that died or cannot be reached is an EngineDeadError (HTTP 503 with Retry-After), not the
+    actor error as it came."""
+    import ray
+    if isinstance(exc, ray.exceptions.RayActorError):  # died, or unavailable
+        return EngineDeadError(f"the engine's coordinator is not available ({type(exc).__name__}: {exc})")
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
 

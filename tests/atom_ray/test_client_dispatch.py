@@ -84,3 +84,37 @@ def test_engine_metrics_go_with_the_first_and_last_delta_and_stay_on_the_outputs
     outputs = [stream.apply(delta) for delta in (first, middle, last)]
     assert [o.metrics.last_token_time for o in outputs] == [2.0, 2.0, 3.0]
     assert outputs[-1].metrics.finished_time == 3.5
+
+
+def test_a_request_sent_as_the_coordinator_dies_is_an_engine_dead_error(ray_cluster):
+    """The coordinator's process dies during add_request: the caller gets EngineDeadError (the HTTP layer's
+    503 with Retry-After), not Ray's ActorDiedError (a 500)."""
+    import itertools
+
+    import pytest
+    import ray
+
+    from deployments.openai.errors import from_exception
+    from engine.errors import EngineDeadError
+    from engine.sampling_params import SamplingParams
+
+    @ray.remote(num_cpus=0)
+    class DyingCoordinator:
+        def add_request(self, *args):
+            import os
+            os._exit(1)
+
+        def abort(self, request_ids):
+            pass
+
+    client = _client()
+    client.coordinator = DyingCoordinator.remote()
+    client.client_id, client._ids, client.error, client._closed, client._stats = "c", itertools.count(), None, False, {}
+
+    async def send():
+        async for _ in client.generate([1, 2, 3], SamplingParams(max_tokens=2)):
+            pass
+    with pytest.raises(EngineDeadError, match="coordinator is not available") as caught:
+        asyncio.run(send())
+    error = from_exception(caught.value)
+    assert error.status_code == 503 and "Retry-After" in error.headers
