@@ -64,6 +64,14 @@ class Request:
     # step's drafts it has been keeping (a running mean; adaptive drafts follow it).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_mean_accepted: float = -1.0  # -1: no verify step yet
+    spec_recent_verifies: int = 0  # verify steps since it last paused
+    # Adaptive speculation pauses a request that keeps (almost) nothing: no drafts until it has this many
+    # output tokens, then a one-draft probe.
+    spec_paused_until: int = 0
+
+    @property
+    def spec_paused(self) -> bool:
+        return self.num_output_tokens < self.spec_paused_until
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -124,6 +124,8 @@ class Scheduler:
         constrained = []
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
+            if not request.spec_paused:
+                out.draft_request_ids.add(request_id)
             request.num_computed_tokens += num_tokens
             num_drafts = len(out.spec_token_ids.get(request_id, ()))
             if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens + num_drafts:
@@ -286,6 +288,7 @@ class Scheduler:
         self.num_spec_accepted_tokens += num_accepted
         mean = request.spec_mean_accepted
         request.spec_mean_accepted = num_accepted if mean < 0 else 0.7 * mean + 0.3 * num_accepted
+        request.spec_recent_verifies += 1
 
     def spec_stats(self) -> dict:
         """Speculative decoding's counters: verify rows, drafts run and kept, the acceptance rate and the

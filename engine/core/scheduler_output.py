@@ -53,6 +53,8 @@ class SchedulerOutput:
     # Speculative decoding: the drafts each verifying request runs after its newest token (its scheduled
     # count is 1 + len(drafts)); the step samples every drafted position and one more.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A model drafter drafts after this step only for these requests (the others' speculation is paused).
+    draft_request_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -405,7 +405,7 @@ class ModelRunner:
             starts.append(starts[-1] + kept)
             seq_lens.append(start + kept)
             computed.append(start)
-            if request.request_id in sampling:
+            if request.request_id in sampling and request.request_id in scheduled.draft_request_ids:
                 last_rows.append(starts[-1] - 1)
                 drafting.append(request)
         num_decodes = next((i for i, n in enumerate(np.diff(starts)) if n != 1), len(seq_lens))

@@ -9,6 +9,13 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
 
 
+# Adaptive speculation: a request whose drafts kept fewer than PAUSE_BELOW tokens a step on average over its
+# last PAUSE_AFTER_VERIFIES verify steps speculates no more for PAUSE_TOKENS output tokens.
+PAUSE_BELOW = 0.1
+PAUSE_AFTER_VERIFIES = 4
+PAUSE_TOKENS = 32
+
+
 class Speculator:
     """Sets each running request's drafts after a step: `propose(running, output)`."""
 
@@ -22,6 +29,13 @@ class Speculator:
         its max_tokens or the context length (a verify step appends at most drafts + 1 tokens)."""
         k = self.config.num_speculative_tokens
         if self.config.adaptive and request.spec_mean_accepted >= 0:
+            if request.spec_mean_accepted < PAUSE_BELOW and request.spec_recent_verifies >= PAUSE_AFTER_VERIFIES:
+                # It keeps almost nothing: no drafts (nor, for a model drafter, drafting) for a while, then
+                # a one-draft probe.
+                request.spec_paused_until = request.num_output_tokens + PAUSE_TOKENS
+                request.spec_recent_verifies = 0
+            if request.spec_paused:
+                return 0
             k = min(k, int(request.spec_mean_accepted) + 1)
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         return max(0, min(k, room))

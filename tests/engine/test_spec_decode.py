@@ -360,16 +360,23 @@ def test_sliding_window_models_speculate_with_the_tokens_without(tmp_path, famil
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6] * 3, list(range(10, 30)) * 2, [100] * 9 + [200], list(range(3, 40))]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    preemptions = 0
     for args in ({}, dict(max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=40, block_size=4,
                           max_model_len=96)):
         plain = LLM(folder, dtype="float32", show_progress=False, **args)
         expected = [o.token_ids for o in plain.generate(prompts, params)]
         plain.shutdown()
-        spec = LLM(folder, dtype="float32", show_progress=False, speculative_config=ngram, **args)
-        try:
-            assert [o.token_ids for o in spec.generate(prompts, params)] == expected
-            stats = spec.engine.stats()
-        finally:
-            spec.shutdown()
-        assert stats["spec_accepted_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert stats["num_preemptions"] > 0
+        for oracle in (False, True):  # n-gram's own drafts; drafts right 60 % of the time (partial keeps)
+            spec = LLM(folder, dtype="float32", show_progress=False, speculative_config=ngram, **args)
+            try:
+                if oracle:
+                    spec.engine.speculator = OracleDrafts({tuple(p): e for p, e in zip(prompts, expected)}, 3, 0.6,
+                                                          tiny_models.VOCAB_SIZE)
+                assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+                stats = spec.engine.stats()
+            finally:
+                spec.shutdown()
+            assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+            preemptions += stats["num_preemptions"]
+        assert 0.2 * stats["spec_draft_tokens"] < stats["spec_accepted_tokens"] < 0.9 * stats["spec_draft_tokens"]
+    assert preemptions > 0

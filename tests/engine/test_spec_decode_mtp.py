@@ -221,3 +221,23 @@ def test_an_fp8_checkpoint_loads_its_mtp_layer_quantized(tmp_path):
         assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     finally:
         llm.shutdown()
+
+
+def test_a_request_that_keeps_nothing_stops_speculating_for_a_while(tmp_path):
+    """Adaptive speculation: random MTP weights keep (almost) no drafts, so after 4 such verify steps a
+    request pauses for 32 output tokens (no drafts, no drafting for it), then probes with one draft. Over 96
+    tokens it verifies a few dozen times at most, not once per token; adaptive off, it verifies every step."""
+    folder = str(tiny_models.add_random_mtp_layer(tiny_with_mtp(tmp_path / "dsv3", "deepseek_v3")))
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    counts = {}
+    for adaptive in (True, False):
+        llm = LLM(folder, dtype="float32", show_progress=False, max_model_len=256,
+                  speculative_config={**MTP, "adaptive": adaptive})
+        try:
+            llm.generate([[5, 6, 7, 8]], params)
+            counts[adaptive] = llm.engine.stats()
+        finally:
+            llm.shutdown()
+    assert counts[True]["spec_acceptance_rate"] < 0.1
+    assert counts[True]["spec_verifies"] <= 24, counts[True]
+    assert counts[False]["spec_verifies"] > 60, counts[False]
