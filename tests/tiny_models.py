@@ -503,35 +503,8 @@ def add_random_mtp_layer(folder: Path, seed: int = 0) -> Path:
 
 
 def make_random_eagle3_draft(folder: Path, target_folder: Path, seed: int = 0) -> Path:
-    """An EAGLE3 draft checkpoint (the published layout: midlayer.*, fc, norm, lm_head, t2d) with random
-    weights for the Llama target at `target_folder`."""
-    import json
-    from safetensors.torch import save_file
+    """An EAGLE3 draft checkpoint in the published layout with random weights for the Llama target at
+    `target_folder` (benchmarks/spec_decode_bench.py writes the same at real shapes)."""
+    from benchmarks.spec_decode_bench import write_random_eagle3_draft
     from engine.loader.source import resolve_model
-    config = resolve_model(str(target_folder)).hf_config
-    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    raw = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-           "hidden_size": hidden, "intermediate_size": config.intermediate_size, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": config.vocab_size,
-           "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": config.max_position_embeddings,
-           "hidden_act": "silu"}
-    generator = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=generator) * 0.1
-    tensors = {"fc.weight": rand(hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
-               "lm_head.weight": rand(config.vocab_size, hidden), "t2d": torch.ones(config.vocab_size, dtype=torch.bool),
-               "midlayer.input_layernorm.weight": torch.ones(hidden), "midlayer.hidden_norm.weight": torch.ones(hidden),
-               "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
-               "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
-               "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
-               "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
-               "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-               "midlayer.mlp.gate_proj.weight": rand(config.intermediate_size, hidden),
-               "midlayer.mlp.up_proj.weight": rand(config.intermediate_size, hidden),
-               "midlayer.mlp.down_proj.weight": rand(hidden, config.intermediate_size)}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(raw))
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder
+    return write_random_eagle3_draft(folder, resolve_model(str(target_folder)).hf_config, torch.float32, seed)
