@@ -66,3 +66,17 @@ def print_table(headers: list[str], rows: list[tuple]) -> None:
         print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths)))
         if index == 0:
             print(line)
+
+
+def run_requests(engine, prompts: list, params: list) -> tuple[list, float]:
+    """Generate through an LLMEngine's step loop: (final RequestOutputs in the prompts' order, seconds)."""
+    ids = [engine.new_request_id() for _ in prompts]
+    start = time.perf_counter()
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return [finals[i] for i in ids], time.perf_counter() - start

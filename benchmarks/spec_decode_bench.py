@@ -34,12 +34,11 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from benchmarks.common import environment_record, print_table  # noqa: E402
+from benchmarks.common import environment_record, print_table, run_requests  # noqa: E402
 
 TEXTS = [
     "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa quebec romeo",
@@ -120,16 +119,8 @@ class RecordedSpeculator:
 
 
 def run(engine, prompts, params) -> tuple[list, float]:
-    ids = [engine.new_request_id() for _ in prompts]
-    start = time.perf_counter()
-    for request_id, prompt, p in zip(ids, prompts, params):
-        engine.add_request(request_id, prompt, p)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    return [finals[i].outputs[0] for i in ids], time.perf_counter() - start
+    outputs, seconds = run_requests(engine, prompts, params)
+    return [output.outputs[0] for output in outputs], seconds
 
 
 def spec_counters(engine) -> tuple[int, int, int]:

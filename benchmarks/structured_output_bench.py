@@ -23,25 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the 50 test cases
 
-from benchmarks.common import environment_record, print_table  # noqa: E402
+from benchmarks.common import environment_record, print_table, run_requests  # noqa: E402
 from structured_output_cases import CASE_MAX_TOKENS, CASES  # noqa: E402
 
 BATCH = 64
 ROUNDS = 5
-
-
-def _run(engine, prompts: list[str], params: list) -> tuple[list, float]:
-    """Generate through the engine's step loop; (outputs in order, seconds)."""
-    ids = [engine.new_request_id() for _ in prompts]
-    start = time.perf_counter()
-    for request_id, prompt, p in zip(ids, prompts, params):
-        engine.add_request(request_id, prompt, p)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    return [finals[i] for i in ids], time.perf_counter() - start
 
 
 def throughput(llm) -> dict:
@@ -51,15 +37,15 @@ def throughput(llm) -> dict:
     prompts = [c.prompt for c in cases]
     constrained = [SamplingParams(temperature=0, max_tokens=CASE_MAX_TOKENS, structured_outputs=c.structured_outputs)
                    for c in cases]
-    _run(llm.engine, prompts, constrained)  # warm-up: grammars cached, kernels warm
+    run_requests(llm.engine, prompts, constrained)  # warm-up: grammars cached, kernels warm
     rates = {"constrained": [], "unconstrained": []}
     lengths = None
     for _ in range(ROUNDS):
-        outputs, seconds = _run(llm.engine, prompts, constrained)
+        outputs, seconds = run_requests(llm.engine, prompts, constrained)
         lengths = [len(o.token_ids) for o in outputs]
         rates["constrained"].append(sum(lengths) / seconds)
         free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-        outputs, seconds = _run(llm.engine, prompts, free)
+        outputs, seconds = run_requests(llm.engine, prompts, free)
         rates["unconstrained"].append(sum(len(o.token_ids) for o in outputs) / seconds)
     constrained_rate, free_rate = (statistics.median(rates[k]) for k in ("constrained", "unconstrained"))
     return {"requests": BATCH, "output_tokens": sum(lengths), "constrained_tok_s": round(constrained_rate, 1),

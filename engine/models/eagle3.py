@@ -23,7 +23,7 @@ from engine.config import ConfigError
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ReplicatedLinear
-from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
 def aux_layer_ids(draft_config: dict, num_target_layers: int) -> tuple[int, ...]:
@@ -35,13 +35,7 @@ def aux_layer_ids(draft_config: dict, num_target_layers: int) -> tuple[int, ...]
 
 
 class Eagle3Drafter(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, config, target_hidden_size: int, num_aux: int, vocab_size: int, own_embedding: bool) -> None:
         super().__init__()

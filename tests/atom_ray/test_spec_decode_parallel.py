@@ -16,18 +16,19 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
-@pytest.mark.parametrize("arch, layout", [("llama", dict(tensor_parallel_size=2)),
-                                          ("qwen3_moe", dict(data_parallel_size=2, enable_expert_parallel=True))],
-                         ids=["tp2", "dp2-ep2"])
-def test_speculation_over_ranks_gives_the_single_process_tokens(ray_cluster, tiny_model_dirs, arch, layout):
-    folder = str(tiny_model_dirs[arch])
+def check_against_one_process(folder: str, speculative_config: dict, params_list=PARAMS, prompt_sets=(PROMPTS,),
+                              **layout) -> None:
+    """The tokens of `folder` through Ray with `layout` and speculation equal one process's without, for each
+    prompt set and params; drafts ran and every block came back."""
     single = LLM(folder, dtype="float32", show_progress=False)
-    expected = [[o.token_ids for o in single.generate(PROMPTS, params)] for params in PARAMS]
+    expected = [[[o.token_ids for o in single.generate(prompts, params)] for params in params_list]
+                for prompts in prompt_sets]
     single.shutdown()
-    engine = atom_ray.start(folder, dtype="float32", speculative_config=NGRAM, **layout)
+    engine = atom_ray.start(folder, dtype="float32", speculative_config=speculative_config, **layout)
     try:
-        for params, tokens in zip(PARAMS, expected):
-            assert [o.token_ids for o in engine.generate(PROMPTS, params)] == tokens
+        for prompts, per_params in zip(prompt_sets, expected):
+            for params, tokens in zip(params_list, per_params):
+                assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
         stats = engine.stats()
         assert stats["spec_draft_tokens"] > 0 and 0 <= stats["spec_acceptance_rate"] <= 1
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
@@ -35,58 +36,37 @@ def test_speculation_over_ranks_gives_the_single_process_tokens(ray_cluster, tin
         engine.shutdown()
 
 
+@pytest.mark.parametrize("arch, layout", [("llama", dict(tensor_parallel_size=2)),
+                                          ("qwen3_moe", dict(data_parallel_size=2, enable_expert_parallel=True))],
+                         ids=["tp2", "dp2-ep2"])
+def test_speculation_over_ranks_gives_the_single_process_tokens(ray_cluster, tiny_model_dirs, arch, layout):
+    check_against_one_process(str(tiny_model_dirs[arch]), NGRAM, **layout)
+
+
+def tiny_deepseek_with_mtp(folder) -> str:
+    import tiny_models
+    return str(tiny_models.add_random_mtp_layer(
+        tiny_models.make_tiny_model(folder, "deepseek_v3", num_nextn_predict_layers=1)))
+
+
 def test_mtp_drafting_at_tp2_gives_the_single_process_tokens(ray_cluster, tmp_path):
     """Both TP ranks run the MTP layer (its attention heads and experts split like the target's) and draft
     alike."""
-    import tiny_models
-    folder = str(tiny_models.add_random_mtp_layer(
-        tiny_models.make_tiny_model(tmp_path / "dsv3", "deepseek_v3", num_nextn_predict_layers=1)))
-    single = LLM(folder, dtype="float32", show_progress=False)
-    expected = [o.token_ids for o in single.generate(PROMPTS, PARAMS[0])]
-    single.shutdown()
-    engine = atom_ray.start(folder, dtype="float32", tensor_parallel_size=2,
-                            speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    try:
-        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS[0])] == expected
-        stats = engine.stats()
-        assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    finally:
-        engine.shutdown()
+    check_against_one_process(tiny_deepseek_with_mtp(tmp_path / "dsv3"), {"method": "mtp", "num_speculative_tokens": 2},
+                              PARAMS[:1], tensor_parallel_size=2)
 
 
 def test_eagle3_drafting_at_tp2_gives_the_single_process_tokens(ray_cluster, tiny_model_dirs, tmp_path):
     import tiny_models
-    folder = str(tiny_model_dirs["llama"])
     draft = str(tiny_models.make_random_eagle3_draft(tmp_path / "draft", tiny_model_dirs["llama"]))
-    single = LLM(folder, dtype="float32", show_progress=False)
-    expected = [o.token_ids for o in single.generate(PROMPTS, PARAMS[0])]
-    single.shutdown()
-    engine = atom_ray.start(folder, dtype="float32", tensor_parallel_size=2,
-                            speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2})
-    try:
-        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS[0])] == expected
-        stats = engine.stats()
-        assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    finally:
-        engine.shutdown()
+    check_against_one_process(str(tiny_model_dirs["llama"]),
+                              {"method": "eagle3", "model": draft, "num_speculative_tokens": 2}, PARAMS[:1],
+                              tensor_parallel_size=2)
 
 
 def test_mtp_drafting_at_dp2_ep2_gives_the_single_process_tokens(ray_cluster, tmp_path):
     """Each DP rank drafts for its own requests; the MTP layer's experts are split over both ranks, so every
     rank runs k draft passes a step, empty ones where it has nothing to draft or nothing to run (one request:
     the other rank idles through dummy steps)."""
-    import tiny_models
-    folder = str(tiny_models.add_random_mtp_layer(
-        tiny_models.make_tiny_model(tmp_path / "dsv3", "deepseek_v3", num_nextn_predict_layers=1)))
-    single = LLM(folder, dtype="float32", show_progress=False)
-    expected = [o.token_ids for o in single.generate(PROMPTS, PARAMS[0])]
-    single.shutdown()
-    engine = atom_ray.start(folder, dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
-                            speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    try:
-        assert [o.token_ids for o in engine.generate(PROMPTS[:1], PARAMS[0])] == expected[:1]
-        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS[0])] == expected
-        stats = engine.stats()
-        assert stats["spec_draft_tokens"] > 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    finally:
-        engine.shutdown()
+    check_against_one_process(tiny_deepseek_with_mtp(tmp_path / "dsv3"), {"method": "mtp", "num_speculative_tokens": 2},
+                              PARAMS[:1], (PROMPTS[:1], PROMPTS), data_parallel_size=2, enable_expert_parallel=True)
