@@ -296,7 +296,6 @@ class Scheduler:
         return spec_rates({"spec_verifies": self.num_spec_verifies, "spec_draft_tokens": self.num_spec_draft_tokens,
                            "spec_accepted_tokens": self.num_spec_accepted_tokens})
 
-
     def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
