@@ -30,8 +30,7 @@ from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
 from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
 from engine.runner.model_facts import format_op_table, model_facts
-from engine.models.eagle3 import build_eagle3
-from engine.spec_decode.draft_models import Eagle3Draft, MtpDraft
+from engine.runner.drafting import make_draft_runner
 from engine.spec_decode.verify import num_accepted
 
 logger = logging.getLogger(__name__)
@@ -117,19 +116,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.residual_dtype = resolve_residual_dtype(config.residual_dtype, self.dtype)
         spec = config.speculative_config
-        method = spec.method if spec is not None else None
         self.model = build_model(source, self.dtype, device, config.seed, show_progress, self.residual_dtype,
-                                 config.quantization, mtp=method == "mtp")
-        # Speculative decoding with a model drafter: drafts this many tokens after each step.
-        self.draft_tokens = spec.num_speculative_tokens if method in ("mtp", "eagle3") else 0
-        self.drafter = None
-        if method == "mtp":
-            self.drafter = MtpDraft(self.model)
-        elif method == "eagle3":
-            head, layer_ids = build_eagle3(spec.model, self.model, self.dtype, device, show_progress)
-            self.model.eagle3 = head  # a submodule: its attention's cache is allocated with the target's
-            self.drafter = Eagle3Draft(self.model, head, layer_ids)
-        self._draft_in_lockstep = bool(config.lockstep and self.drafter is not None and self.drafter.exchanges_experts)
+                                 config.quantization, mtp=spec is not None and spec.method == "mtp")
+        self.drafter = make_draft_runner(self, config, device, show_progress)  # speculative decoding's model drafter
         if self.uses_cuda:  # every TP rank builds its runner at once: a collective set-up
             text = getattr(source.hf_config, "text_config", None) or source.hf_config
             enable_fused_all_reduce_norm(int(text.hidden_size), device)
@@ -335,10 +324,8 @@ class ModelRunner:
         if scheduled.is_empty:
             if scheduled.dummy:
                 self._dummy_forward(scheduled)
-                if self._draft_in_lockstep:  # the other ranks' drafters exchange tokens k times
-                    padded = padded_step_tokens(self._step_tokens(scheduled), self.step_buckets)
-                    for _ in range(self.draft_tokens):
-                        self._empty_draft_pass(padded)
+                if self.drafter is not None:
+                    self.drafter.empty_passes(scheduled)
             return self._track(PendingOutput(self, self._step, RunnerOutput(), [], None, None))
         needed = 0
         for request_id in scheduled.num_scheduled_tokens:
@@ -380,99 +367,10 @@ class ModelRunner:
                 logits, torch.tensor(targets, device=self.device), num_top)
         pending = self._track(PendingOutput(self, self._step, output, host.sampling_requests, sampled_host, event,
                                             host.sampling_rows, logprobs if host.sampling_requests else None))
-        if self.draft_tokens:  # the drafts follow the tokens this step keeps: wait for them
+        if self.drafter is not None:  # the drafts follow the tokens this step keeps: wait for them
             self.resolve_until(self._step)
-            output.draft_token_ids = self._draft(host, hidden, scheduled)
+            output.draft_token_ids = self.drafter.draft(host, hidden, scheduled)
         return pending
-
-    def _draft(self, host: HostInputs, hidden: torch.Tensor, scheduled: SchedulerOutput) -> dict[str, list[int]]:
-        """Drafts with the model drafter (MTP layer, EAGLE3 head), after the step's tokens are recorded. First
-        over every position the step computed and kept (the drafter's own cache entries for them, which later
-        drafts attend to): position p takes token p + 1 and the target's hidden state(s) at p; a sampling
-        request's last kept position gives its first draft. Then k - 1 single-token steps, each from the
-        previous draft and the drafter's own pre-norm hidden state, at the next position (blocks the scheduler
-        gave as lookahead; a request out of blocks or context stops drafting). Greedy (argmax) drafts."""
-        rows, ids, positions, starts, seq_lens, computed, slots, tables = [], [], [], [0], [], [], [], []
-        last_rows, drafting = [], []
-        sampling = {request.request_id for request in host.sampling_requests}
-        for index, request in enumerate(host.requests):
-            begin, start = host.query_start_loc[index], host.num_computed[index]
-            kept = request.num_computed_tokens - start  # positions of this step whose tokens stayed
-            rows.extend(range(begin, begin + kept))
-            ids.extend(request.token_ids[start + 1:start + kept + 1])
-            positions.extend(range(start, start + kept))
-            slots.append(host.slot_mapping[begin:begin + kept])
-            starts.append(starts[-1] + kept)
-            seq_lens.append(start + kept)
-            computed.append(start)
-            if request.request_id in sampling and request.request_id in scheduled.draft_request_ids:
-                last_rows.append(starts[-1] - 1)
-                drafting.append(request)
-        num_decodes = next((i for i, n in enumerate(np.diff(starts)) if n != 1), len(seq_lens))
-        tables = [host.block_table, *host.group_tables]
-        metadata = self._attention_metadata(num_decodes, starts, seq_lens, computed, tables,
-                                            [np.concatenate(slots), *host.group_slot_mappings], host.state_slots,
-                                            self._group_keys)
-        first = self.drafter.first_hidden(hidden, self._to_device(np.asarray(rows)))
-        # Lockstep DP + EP: a drafter with experts exchanges tokens in each pass, so every rank runs k passes
-        # a step, padded as the step's own exchanges are (ranks without drafts run empty ones).
-        padded = padded_step_tokens(self._step_tokens(scheduled), self.step_buckets) if self._draft_in_lockstep \
-            else None
-        normed, pre = self._draft_pass(metadata, ids, positions, first, padded)
-        if not drafting:
-            for _ in range(self.draft_tokens - 1 if padded else 0):
-                self._empty_draft_pass(padded)
-            return {}
-        last = self._to_device(np.asarray(last_rows))
-        tokens = self.drafter.tokens(normed[last])
-        drafts = [[token] for token in tokens.tolist()]
-        previous = pre[last]
-        # The position each draft step computes: the last kept one, then the newest token's, and on.
-        position = [request.num_tokens - 2 for request in drafting]
-        live = list(range(len(drafting)))
-        for _ in range(self.draft_tokens - 1):
-            live = [i for i in live if position[i] + 1 < min(self.max_model_len,
-                                                               len(drafting[i].block_ids) * self.block_size)]
-            if not live:
-                if padded is None:
-                    break
-                self._empty_draft_pass(padded)
-                continue
-            for i in live:
-                position[i] += 1
-            requests = [drafting[i] for i in live]
-            step_slots = np.asarray([r.block_ids[position[i] // self.block_size] * self.block_size
-                                     + position[i] % self.block_size for i, r in zip(live, requests)], dtype=np.int64)
-            table = np.zeros((len(requests), max(len(r.block_ids) for r in requests)), dtype=np.int32)
-            for row, request in enumerate(requests):
-                table[row, :len(request.block_ids)] = request.block_ids
-            metadata = self._attention_metadata(len(requests), list(range(len(requests) + 1)),
-                                                [position[i] + 1 for i in live], [position[i] for i in live],
-                                                [table], [step_slots], [-1] * len(requests), self._group_keys)
-            live_rows = self._to_device(np.asarray(live))
-            normed, pre = self._draft_pass(metadata, [drafts[i][-1] for i in live], [position[i] for i in live],
-                                           previous[live_rows], padded)
-            tokens = self.drafter.tokens(normed).tolist()
-            for i, token in zip(live, tokens):
-                drafts[i].append(token)
-            previous = previous.clone()
-            previous[live_rows] = pre
-        return {request.request_id: d for request, d in zip(drafting, drafts)}
-
-    def _draft_pass(self, metadata, ids: list[int], positions: list[int], previous_hidden: torch.Tensor,
-                    padded: int | None = None):
-        moe = MoEStep(padded or padded_step_tokens(max(len(ids), 1), self.step_buckets))
-        with forward_context(metadata, self.block_size, moe):
-            return self.drafter.forward(self._to_device(np.asarray(ids, dtype=np.int64)), previous_hidden,
-                                        self._to_device(np.asarray(positions, dtype=np.int64)))
-
-    def _empty_draft_pass(self, padded: int) -> None:
-        """A draft pass with nothing to draft (lockstep DP + EP): one padding row that reaches no expert and
-        writes no cache, so that this rank's drafter joins the other ranks' exchanges."""
-        token = torch.zeros(1, dtype=torch.int64, device=self.device)
-        hidden = torch.zeros(1, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
-        with forward_context(None, self.block_size, MoEStep(padded, valid_tokens=0)):
-            self.drafter.forward(token, hidden, token)
 
     def _track(self, pending: PendingOutput) -> PendingOutput:
         self._unresolved.append(pending)
