@@ -137,4 +137,5 @@ def make_draft_runner(runner, config, device: torch.device, show_progress: bool)
         head, layer_ids = build_eagle3(spec.model, runner.model, runner.dtype, device, show_progress)
         runner.model.eagle3 = head
         drafter = Eagle3Draft(runner.model, head, layer_ids)
-    return DraftRunner(runner, drafter, spec.num_speculative_tokens, bool(config.lockstep and drafter.exchanges_experts))
+    in_lockstep = bool(config.lockstep and drafter.exchanges_experts)
+    return DraftRunner(runner, drafter, spec.num_speculative_tokens, in_lockstep)

@@ -554,5 +554,6 @@ class ModelRunner:
 
 def _slice_logprobs(lists: LogprobsLists, row: int, num_rows: int, num_top: int) -> LogprobsLists:
     rows = range(row, row + num_rows)
-    return LogprobsLists([lists.token_ids[r][:num_top + 1] for r in rows], [lists.logprobs[r][:num_top + 1] for r in rows],
+    return LogprobsLists([lists.token_ids[r][:num_top + 1] for r in rows],
+                         [lists.logprobs[r][:num_top + 1] for r in rows],
                          [lists.ranks[r] for r in rows])

@@ -21,7 +21,8 @@ def test_a_speculating_engines_counters_are_exported(llama_dir):
     collector.stats = stats
     registry = CollectorRegistry()
     registry.register(collector)
-    samples = {sample.name: sample.value for family in text_string_to_metric_families(generate_latest(registry).decode())
+    text = generate_latest(registry).decode()
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples}
     assert samples["atom_ray:spec_decode_num_draft_tokens_total"] == stats["spec_draft_tokens"] > 0
     assert samples["atom_ray:spec_decode_num_accepted_tokens_total"] == stats["spec_accepted_tokens"]

@@ -54,8 +54,8 @@ def train_eagle3(target_folder, steps: int = 300) -> tuple[dict, dict[str, torch
         setattr(attn, name, torch.nn.Linear(2 * hidden, old.out_features, bias=False))
     modules = torch.nn.ModuleDict({
         "fc": torch.nn.Linear(len(layer_ids) * hidden, hidden, bias=False), "attn": attn, "mlp": LlamaMLP(config),
-        "input_layernorm": LlamaRMSNorm(hidden, config.rms_norm_eps), "hidden_norm": LlamaRMSNorm(hidden, config.rms_norm_eps),
-        "post_attention_layernorm": LlamaRMSNorm(hidden, config.rms_norm_eps), "norm": LlamaRMSNorm(hidden, config.rms_norm_eps),
+        **{name: LlamaRMSNorm(hidden, config.rms_norm_eps)
+           for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "norm")},
         "lm_head": torch.nn.Linear(hidden, config.vocab_size, bias=False)})
     llm = LLM(str(target_folder), dtype="float32", show_progress=False)
     prompts = training_prompts()
