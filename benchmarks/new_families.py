@@ -39,20 +39,15 @@ def meta_model(name: str, quantized: bool = True):
     """Our model of benchmarks/configs/<name> on the meta device (no memory), with the checkpoint's own
     quantization applied (gpt-oss's MXFP4 experts) unless `quantized` is off."""
     from engine.layers.quantization import quantized_build
-    from engine.loader import resolve_model
+    from engine.loader import default_dtype, resolve_model
     from engine.loader.quant_plan import apply_plan, resolve_quant_plan
     from engine.models import model_class_for
     source = resolve_model(f"benchmarks/configs/{name}", "dummy", None)
     plan = resolve_quant_plan(source.hf_config, None, source.format) if quantized else None
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"), quantized_build(plan):
-            model = model_class_for(source.hf_config)(source.hf_config, residual_dtype=torch.bfloat16)
-            if plan is not None:
-                apply_plan(model, plan)
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(torch.bfloat16), torch.device("meta"), quantized_build(plan):
+        model = model_class_for(source.hf_config)(source.hf_config, residual_dtype=torch.bfloat16)
+        if plan is not None:
+            apply_plan(model, plan)
     return model
 
 

@@ -15,7 +15,8 @@ __all__ = ["ModelSource", "ModelSourceError", "build_model", "load_weights", "re
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Parameters made inside take `dtype` (torch's default dtype, restored after)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -39,7 +40,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     if mtp:
         check_mtp_support(model_class, source.hf_config)
         extra["mtp"] = True
-    with _default_dtype(dtype), torch.device(device), quantized_build(plan):
+    with default_dtype(dtype), torch.device(device), quantized_build(plan):
         model = model_class(source.hf_config, residual_dtype=residual_dtype or dtype, **extra)
         if plan is not None:
             apply_plan(model, plan)

@@ -87,7 +87,7 @@ def build_eagle3(folder: str, target, dtype: torch.dtype, device: torch.device, 
     """The drafter of the draft checkpoint at `folder` for `target` (a Llama-family model), loaded, and the
     target's layers whose inputs it reads marked for capture."""
     from transformers import LlamaConfig
-    from engine.loader import load_weights
+    from engine.loader import default_dtype, load_weights
     from engine.loader import safetensors as st
     target_config = target.config
     raw = read_draft_config(folder)
@@ -118,13 +118,8 @@ def build_eagle3(folder: str, target, dtype: torch.dtype, device: torch.device, 
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             own_embedding |= any(name.endswith("embed_tokens.weight") for name in f.keys())
-    with torch.device(device):
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            drafter = Eagle3Drafter(config, target_hidden, len(ids), int(target_config.vocab_size), own_embedding)
-        finally:
-            torch.set_default_dtype(previous)
+    with default_dtype(dtype), torch.device(device):
+        drafter = Eagle3Drafter(config, target_hidden, len(ids), int(target_config.vocab_size), own_embedding)
     drafter.eval()
     load_weights(drafter, st.iter_weights(files, None), st.count_tensors(files, None), show_progress)
     for i in ids:

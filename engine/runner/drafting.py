@@ -40,7 +40,7 @@ class DraftRunner:
         previous draft and the drafter's own pre-norm hidden state, at the next position (blocks the scheduler
         gave as lookahead; a request out of blocks or context stops drafting). Greedy (argmax) drafts."""
         runner = self.runner
-        rows, ids, positions, starts, seq_lens, computed, slots, tables = [], [], [], [0], [], [], [], []
+        rows, ids, positions, starts, seq_lens, computed, slots = [], [], [], [0], [], [], []
         last_rows, drafting = [], []
         sampling = {request.request_id for request in host.sampling_requests}
         for index, request in enumerate(host.requests):
@@ -102,8 +102,7 @@ class DraftRunner:
             tokens = self.drafter.tokens(normed).tolist()
             for i, token in zip(live, tokens):
                 drafts[i].append(token)
-            previous = previous.clone()
-            previous[live_rows] = pre
+            previous[live_rows] = pre  # (an indexed copy of the first pass's states: not shared)
         return {request.request_id: d for request, d in zip(drafting, drafts)}
 
     def _pass(self, metadata, ids: list[int], positions: list[int], previous_hidden: torch.Tensor,
