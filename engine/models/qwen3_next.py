@@ -101,7 +101,7 @@ class Qwen3NextForCausalLM(QwenMultiTokenPredictionMixin, LlamaForCausalLM):
 
     def remap_checkpoint_name(self, name: str) -> str | None:
         if name.startswith("mtp."):  # the multi-token-prediction layer: built only for speculative decoding
-            name = self.remap_mtp_name(name)
+            name = self.mtp_checkpoint_name(name)
             if name is None:
                 return None
         name = name.replace(".linear_attn.", ".self_attn.")
