@@ -10,7 +10,7 @@ import torch
 
 from engine import SamplingParams
 from engine.structured_output import StructuredOutputError, StructuredOutputsParams
-from engine.structured_output.manager import StructuredOutputManager
+from structured_output_testing import compiled, manager  # noqa: F401  (manager: a fixture)
 
 ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
           "additionalProperties": False}
@@ -19,24 +19,9 @@ MAY_THINK = {"reasoning_start": "<think>", "reasoning_end": "</think>"}  # it ma
 
 
 @pytest.fixture(scope="module")
-def manager(smollm2):
-    engine = smollm2.engine
-    manager = StructuredOutputManager(engine.tokenizer, engine.source.hf_config.vocab_size, engine.eos_token_ids)
-    yield manager
-    manager.shutdown()
-
-
-@pytest.fixture(scope="module")
 def encode(smollm2):
     tokenizer = smollm2.get_tokenizer()
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
-
-
-def compiled(manager, **constraint):
-    grammar = manager.request(StructuredOutputsParams(**constraint))
-    grammar._future.result(timeout=60)
-    assert grammar.compiled and grammar.error is None, grammar.error
-    return grammar.matcher
 
 
 def completes(matcher, token_ids: list[int]) -> bool:

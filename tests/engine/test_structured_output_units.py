@@ -13,22 +13,7 @@ from engine.layers.sampler import apply_bitmask
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output import StructuredOutputError
 from engine.structured_output.grammar import unenforced_keywords, without_additional_properties
-from engine.structured_output.manager import StructuredOutputManager
-
-
-@pytest.fixture(scope="module")
-def manager(smollm2):
-    engine = smollm2.engine
-    manager = StructuredOutputManager(engine.tokenizer, engine.source.hf_config.vocab_size, engine.eos_token_ids)
-    yield manager
-    manager.shutdown()
-
-
-def compiled(manager, **constraint):
-    grammar = manager.request(StructuredOutputsParams(**constraint))
-    grammar._future.result(timeout=60)
-    assert grammar.compiled and grammar.error is None, grammar.error
-    return grammar.matcher
+from structured_output_testing import compiled, manager  # noqa: F401  (manager: a fixture)
 
 
 def allowed_tokens(manager, matcher) -> set[int]:
