@@ -17,7 +17,8 @@ from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.loader import resolve_model
 from engine.parallel import destroy_parallel, get_parallel_state, init_parallel
 from engine.runner.device import resolve_device
-from engine.runner.model_runner import ModelRunner, PendingOutput
+from engine.runner.model_runner import ModelRunner
+from engine.runner.pending_output import PendingOutput
 from engine.runner.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
