@@ -28,8 +28,8 @@ class SchedulerConfig:
     # A prefill with more tokens left than this is "long": short prefills go first, and the oldest long one
     # keeps this many tokens of each step's budget (more when nothing else wants them). None: half the budget.
     long_prefill_token_threshold: int | None = None
-    # Cache positions past a step's tokens to give blocks for: a model drafter writes its own entries for
-    # drafts 2..k there (speculative decoding with MTP).
+    # Cache positions past a step's tokens to give blocks for: a model drafter (MTP, EAGLE3) writes its own
+    # entries for drafts 2..k there. Non-zero only with one, which also reads each step's draft_request_ids.
     lookahead_tokens: int = 0
 
 
@@ -124,7 +124,7 @@ class Scheduler:
         constrained = []
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
-            if not request.spec_paused:
+            if self.config.lookahead_tokens and not request.spec_paused:  # a model drafter drafts for it
                 out.draft_request_ids.add(request_id)
             request.num_computed_tokens += num_tokens
             num_drafts = len(out.spec_token_ids.get(request_id, ()))

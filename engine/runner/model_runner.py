@@ -372,7 +372,8 @@ class ModelRunner:
                                             [host.slot_mapping, *host.group_slot_mappings], host.state_slots,
                                             self._group_keys)
         moe = MoEStep(padded_step_tokens(self._step_tokens(scheduled), self.step_buckets))
-        verify = tuple(index for index, request in enumerate(host.requests) if request.spec_token_ids)
+        verify = (tuple(index for index, request in enumerate(host.requests) if request.spec_token_ids)
+                  if scheduled.spec_token_ids else ())
         with forward_context(metadata, self.block_size, moe, verify):
             return self.model(input_ids, positions)
 
