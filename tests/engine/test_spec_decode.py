@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.spec_decode_bench import RecordedSpeculator  # a recorded run's tokens, each right w.p. p
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.kernels.sampling import step_seed
@@ -286,26 +287,6 @@ def test_models_whose_state_cannot_move_back_are_refused(tmp_path):
             max_model_len=128)
 
 
-class OracleDrafts:
-    """Drafts the tokens a run without speculation produced, each right with probability p (else another
-    token): verify steps keep every number of drafts from none to all."""
-
-    def __init__(self, expected: dict[tuple, list[int]], k: int, p: float, vocab_size: int) -> None:
-        import random
-        self.expected, self.k, self.p, self.vocab_size = expected, k, p, vocab_size
-        self.rng = random.Random(0)
-
-    def propose(self, running, output=None) -> None:
-        for request in running:
-            request.spec_token_ids = []
-            if request.num_tokens_to_compute != 1 or request.num_pending_tokens:
-                continue
-            future = self.expected[tuple(request.prompt_token_ids)][request.num_output_tokens:]
-            room = min(request.max_tokens - request.num_output_tokens, len(future)) - 1
-            drafts = future[:max(0, min(self.k, room))]
-            request.spec_token_ids = [t if self.rng.random() < self.p else (t + 1) % self.vocab_size for t in drafts]
-
-
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
 def test_gated_deltanet_states_move_back_to_the_kept_drafts(tmp_path, model_type, monkeypatch):
     """Qwen3-Next / Qwen3.5: a verify step advances the recurrent and conv states over every drafted token;
@@ -323,7 +304,7 @@ def test_gated_deltanet_states_move_back_to_the_kept_drafts(tmp_path, model_type
         llm = LLM(folder, dtype="float32", show_progress=False, speculative_config=ngram if speculate else None, **args)
         try:
             if speculate:
-                llm.engine.speculator = OracleDrafts(speculate, 3, 0.6, tiny_models.VOCAB_SIZE)
+                llm.engine.speculator = RecordedSpeculator(speculate, 3, 0.6, tiny_models.VOCAB_SIZE)
             outputs = [o.token_ids for o in llm.generate(prompts, params)]
             return outputs, llm.engine.stats()
         finally:
@@ -370,8 +351,8 @@ def test_sliding_window_models_speculate_with_the_tokens_without(tmp_path, famil
             spec = LLM(folder, dtype="float32", show_progress=False, speculative_config=ngram, **args)
             try:
                 if oracle:
-                    spec.engine.speculator = OracleDrafts({tuple(p): e for p, e in zip(prompts, expected)}, 3, 0.6,
-                                                          tiny_models.VOCAB_SIZE)
+                    recorded = {tuple(p): e for p, e in zip(prompts, expected)}
+                    spec.engine.speculator = RecordedSpeculator(recorded, 3, 0.6, tiny_models.VOCAB_SIZE)
                 assert [o.token_ids for o in spec.generate(prompts, params)] == expected
                 stats = spec.engine.stats()
             finally:
