@@ -17,6 +17,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from engine.resume import ResumeState
 from engine.sampling_params import SamplingParams
 
 from atom_ray.executor import RayExecutor
@@ -143,13 +144,15 @@ class Coordinator(ClientOutboxes):
         return self._engine_loop.error if self._engine_loop is not None else None
 
     # ---- called by clients ----------------------------------------------------------------------------
-    async def add_request(self, client_id: str, request_id: str, prompt, params: SamplingParams) -> None:
+    async def add_request(self, client_id: str, request_id: str, prompt, params: SamplingParams,
+                          resume: ResumeState | None = None) -> None:
+        """`resume`: the request continues one that a failed DP rank ran (engine/resume.py)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine failed: {self.error!r}")
         self.owner[request_id] = client_id  # first: outputs may come before the engine confirms the add
         try:
             # Raises InvalidRequestError to the caller when the engine refuses the request.
-            await asyncio.wrap_future(self._engine_loop.add(request_id, prompt, params))
+            await asyncio.wrap_future(self._engine_loop.add(request_id, prompt, params, resume))
         except BaseException:
             # Refused, or the caller's call was cancelled (its client timed out): a request the engine took
             # just before the cancellation is stopped again.

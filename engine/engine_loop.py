@@ -25,6 +25,7 @@ from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.lockstep import BUSY, IDLE, STOP
 from engine.outputs import RequestOutput
+from engine.resume import ResumeState
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,11 +68,13 @@ class EngineLoop:
     def is_healthy(self) -> bool:
         return self.engine is not None and self.error is None and not self._stopped
 
-    def add(self, request_id: str, prompt, params: SamplingParams) -> concurrent.futures.Future:
-        """Queue a request; the future resolves when the engine took it, or raises why it refused it. A
-        caller that cancels the future before the engine takes the request withdraws it."""
+    def add(self, request_id: str, prompt, params: SamplingParams,
+            resume: ResumeState | None = None) -> concurrent.futures.Future:
+        """Queue a request (`resume`: one continued from a failed engine, engine/resume.py); the future
+        resolves when the engine took it, or raises why it refused it. A caller that cancels the future
+        before the engine takes the request withdraws it."""
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", request_id, prompt, params, accepted))
+        self._send(("add", request_id, prompt, params, resume, accepted))
         return accepted
 
     def abort(self, request_id: str) -> None:
@@ -194,11 +197,11 @@ class EngineLoop:
         for command in self._take_commands():
             ran = True
             if command[0] == "add":
-                _, request_id, prompt, params, accepted = command
+                _, request_id, prompt, params, resume, accepted = command
                 if not accepted.set_running_or_notify_cancel():  # the caller gave up before the engine took it
                     continue
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, resume=resume)
                 except Exception as exc:  # refused: the caller raises it
                     accepted.set_exception(exc)
                     continue

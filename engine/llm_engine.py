@@ -22,6 +22,7 @@ from engine.kv_cache_spec import CacheLayout
 from engine.lockstep import BUSY, IDLE, STOP, Lockstep
 from engine.loader import ModelSource, resolve_model
 from engine.outputs import RequestOutput
+from engine.resume import ResumeState
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.speculator import DrafterSpeculator, NgramSpeculator, Speculator
 from engine.structured_output.manager import StructuredOutputManager, wait_for
@@ -235,12 +236,16 @@ class LLMEngine:
         raise InvalidRequestError(f"a prompt must be a string or a list of token ids, not {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, resume: ResumeState | None = None) -> None:
+        """Queue a request. `resume`: it continues a request that another engine ran until it failed, with the
+        output tokens already delivered (engine/resume.py); only the samples it lists run."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         vocab_size = self.source.hf_config.vocab_size
         params.check_for_model(vocab_size)
+        if resume is not None:
+            resume.check(params.n, vocab_size)
         if params.top_k >= vocab_size:  # keeps every token: the same as no top-k
             params = dataclasses.replace(params, top_k=0)
         if request_id in self.output_processor.parents:
@@ -248,31 +253,46 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens but the context length (max_model_len) is "
-                f"{self.max_model_len}, which leaves no room to generate")
-        if not self.config.enable_chunked_prefill and len(token_ids) > self.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) with chunked prefill disabled")
+        self._check_length(len(token_ids), resume.max_num_tokens if resume is not None else 0)
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        samples = {}
-        for index in range(params.n):
+        resumed = {sample.index: sample for sample in resume.samples} if resume is not None else None
+        samples, delivered = {}, {}
+        for index in sorted(resumed) if resumed is not None else range(params.n):
             sample_id = request_id if params.n == 1 else f"{request_id}/{index}"
             seed = params.seed + index if params.seed is not None else self._seed_source.getrandbits(63)
             samples[sample_id] = dataclasses.replace(params, seed=seed, n=1)
-        # Each sample its own matcher; the grammar compiles once (cached) while the request waits.
-        grammars = {sample_id: self.structured_output.request(params.structured_outputs)
+            if resumed is not None:
+                delivered[sample_id] = resumed[index]
+        # Each sample its own matcher; the grammar compiles once (cached) while the request waits. A resumed
+        # sample's matcher takes its delivered tokens first.
+        grammars = {sample_id: self.structured_output.request(
+                        params.structured_outputs, delivered[sample_id].token_ids if sample_id in delivered else ())
                     if params.structured_outputs is not None else None for sample_id in samples}
-        self.output_processor.add_request(request_id, text, token_ids, samples, arrival_time)
+        self.output_processor.add_request(request_id, text, token_ids, samples, arrival_time, delivered or None)
         for sample_id, sample_params in samples.items():
-            self.scheduler.add_request(Request(sample_id, token_ids, sample_params, max_tokens,
-                                               self.eos_token_ids, arrival_time, grammars[sample_id]))
+            request = Request(sample_id, token_ids, sample_params, max_tokens, self.eos_token_ids, arrival_time,
+                              grammars[sample_id])
+            if sample_id in delivered:  # outputs already generated, as after a preemption
+                request.token_ids.extend(delivered[sample_id].token_ids)
+            self.scheduler.add_request(request)
         self.num_prompt_tokens_total += len(token_ids)
+
+    def _check_length(self, num_prompt_tokens: int, num_resumed_tokens: int) -> None:
+        """Refuse a prompt (with the outputs a resumed request already has) that leaves no room to generate, or
+        that one step cannot prefill with chunked prefill disabled."""
+        total = num_prompt_tokens + num_resumed_tokens
+        what = f"the prompt has {num_prompt_tokens} tokens" if not num_resumed_tokens else (
+            f"the prompt ({num_prompt_tokens} tokens) and the {num_resumed_tokens} tokens already generated "
+            f"make {total}")
+        if total >= self.max_model_len:
+            raise InvalidRequestError(f"{what} but the context length (max_model_len) is {self.max_model_len}, "
+                                      "which leaves no room to generate")
+        if not self.config.enable_chunked_prefill and total > self.max_num_batched_tokens:
+            raise InvalidRequestError(f"{what}, more than max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                                      "with chunked prefill disabled")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output (finish_reason 'abort')."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.core.request import Request
 from engine.core.scheduler_output import LogprobsLists, RunnerOutput
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from engine.resume import ResumedSample
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -54,19 +55,39 @@ class OutputProcessor:
         self.parent_of: dict[str, str] = {}  # sample (scheduler) request id -> parent id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    samples: dict[str, SamplingParams], arrival_time: float) -> None:
+                    samples: dict[str, SamplingParams], arrival_time: float,
+                    resumed: dict[str, ResumedSample] | None = None) -> None:
+        """`resumed`: the samples of a resumed request (engine/resume.py), each with what it had delivered;
+        their state is rebuilt from it (the text of the delivered tokens for stop strings, and how much of
+        it was sent), and their outputs carry only what comes after."""
         states = {}
         for index, (sample_id, params) in enumerate(samples.items()):
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens) \
                 if self.tokenizer is not None else None
             holdback = 0 if params.include_stop_str_in_output or not params.stop else max(map(len, params.stop)) - 1
             logprobs = [] if params.logprobs is not None else None
-            states[sample_id] = _Sample(index, params, detokenizer, holdback,
-                                        CompletionOutput(index=index, logprobs=logprobs))
+            delivered = resumed.get(sample_id) if resumed is not None else None
+            state = _Sample(index if delivered is None else delivered.index, params, detokenizer, holdback,
+                            CompletionOutput(index=index if delivered is None else delivered.index,
+                                             logprobs=logprobs))
+            if delivered is not None:
+                self._restore(state, delivered)
+            states[sample_id] = state
             self.parent_of[sample_id] = request_id
         prompt_logprobs = [None] if next(iter(samples.values())).prompt_logprobs is not None else None
         self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, states,
                                            RequestMetrics(arrival_time), prompt_logprobs)
+
+    @staticmethod
+    def _restore(sample: _Sample, delivered: ResumedSample) -> None:
+        """A resumed sample's tokens and text as they were when its first engine failed, all marked sent but
+        the text that engine still held back."""
+        completion = sample.completion
+        completion.token_ids = list(delivered.token_ids)
+        if sample.detokenizer is not None:
+            completion.text = "".join(sample.detokenizer.add(token_id) for token_id in delivered.token_ids)
+        sample.num_sent_tokens = len(completion.token_ids)
+        sample.num_sent_chars = min(delivered.num_sent_chars, len(completion.text))
 
     def sample_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)

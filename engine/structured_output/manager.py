@@ -25,10 +25,12 @@ COMPILE_THREADS = 2
 
 
 class GrammarRequest:
-    """One sequence's grammar: compiling, then ready (its own matcher) or failed (the error)."""
+    """One sequence's grammar: compiling, then ready (its own matcher) or failed (the error). `delivered`: the
+    output tokens a resumed sequence already has (engine/resume.py), which its matcher takes once ready."""
 
-    def __init__(self, future: concurrent.futures.Future) -> None:
+    def __init__(self, future: concurrent.futures.Future, delivered: tuple[int, ...] = ()) -> None:
         self._future = future
+        self._delivered = tuple(delivered)
         self.matcher: GrammarMatcher | None = None
         self.error: str | None = None
         self.waited = False  # whether the engine has held a step for it once (LLMEngine.step)
@@ -38,10 +40,16 @@ class GrammarRequest:
         """Whether compiling has ended, well (`matcher`) or not (`error`). Called on the step thread."""
         if self.matcher is None and self.error is None and self._future.done():
             try:
-                self.matcher = self._future.result()
+                matcher = self._future.result()
             except Exception as exc:  # the constraint, or the tokenizer, could not be used
                 self.error = str(exc) if isinstance(exc, StructuredOutputError) else \
                     f"the grammar could not be compiled: {type(exc).__name__}: {exc}"
+                return True
+            if self._delivered and not matcher.accept_tokens(list(self._delivered)):
+                self.error = (f"the grammar refuses the {len(self._delivered)} tokens the resumed request had "
+                              f"already generated: {matcher.error or 'refused'}")
+                return True
+            self.matcher = matcher
         return self.matcher is not None or self.error is not None
 
     def cancel(self) -> None:
@@ -135,18 +143,18 @@ class StructuredOutputManager:
         self.num_compiled = 0
 
     # ---- compiling, off the step loop ---------------------------------------------------------------------
-    def request(self, params: StructuredOutputsParams) -> GrammarRequest:
+    def request(self, params: StructuredOutputsParams, delivered: tuple[int, ...] = ()) -> GrammarRequest:
         """`params`'s matcher for one sequence: at once from a cached grammar, else compiled in the pool while
-        the request waits in the scheduler."""
+        the request waits in the scheduler. `delivered`: a resumed sequence's tokens so far, taken first."""
         if self.tokenizer is None:
             raise StructuredOutputError("structured output needs the model's tokenizer, and this model has none "
                                         "(dummy weights from a bare config)", "structured_outputs")
         template = self.grammars.get(params.key) if params.cacheable else None
         if template is None:
-            return GrammarRequest(self._compile_pool.submit(self._new_matcher, params))
+            return GrammarRequest(self._compile_pool.submit(self._new_matcher, params), delivered)
         ready = concurrent.futures.Future()
         ready.set_result(GrammarMatcher(template.deep_copy()))  # microseconds
-        return GrammarRequest(ready)
+        return GrammarRequest(ready, delivered)
 
     def _new_matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         if not params.cacheable:
