@@ -61,7 +61,9 @@ def rank_timings(folder: Path, keep: Path) -> dict:
     return timings
 
 
-def measure_layout(model: str, layout: dict, prompts, params, timing_dir: Path, label: str) -> dict:
+def measure_layout(model: str, layout: dict, prompts, params, timing_dir: Path, label: str, probe=None) -> dict:
+    """One layout's figures (the module's docstring). `probe(engine, outputs) -> dict`, if given, runs on the
+    live engine after the offline run (its outputs in hand) and adds its entries to the result."""
     import atom_ray
     started = time.perf_counter()
     engine = atom_ray.start(model, **ENGINE_ARGS, **layout)
@@ -83,6 +85,8 @@ def measure_layout(model: str, layout: dict, prompts, params, timing_dir: Path, 
                                if k in r} for r in ranks]
         result["expert_load"] = ranks[0].get("expert_load")
         result["num_preemptions"] = sum(r.get("num_preemptions", 0) for r in ranks)
+        if probe is not None:
+            result.update(probe(engine, outputs))
     finally:
         started = time.perf_counter()
         engine.shutdown()

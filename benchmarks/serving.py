@@ -59,11 +59,13 @@ def percentiles(values: list[float]) -> dict:
     return {"mean": statistics.mean(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-async def sweep_level(base_url: str, model: str, requests, concurrency: int) -> dict:
+async def sweep_level(base_url: str, model: str, requests, concurrency: int, api_key: str | None = None) -> dict:
+    """`requests` with `concurrency` in flight at a time, streamed (`api_key`: sent as the Bearer token)."""
     import httpx
     limit = asyncio.Semaphore(concurrency)
     ttfts, tpots, e2es, produced = [], [], [], []
-    async with httpx.AsyncClient(base_url=base_url, timeout=1800,
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(base_url=base_url, timeout=1800, headers=headers,
                                  limits=httpx.Limits(max_connections=concurrency + 8)) as client:
         async def one(prompt, max_tokens):
             async with limit:
