@@ -106,7 +106,8 @@ def benchmark(args) -> dict:
     # with the driver's environment variables).
     timing_dir = Path(tempfile.mkdtemp(prefix="step-timing-"))
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
-             runtime_env={"env_vars": {"ATOM_RAY_STEP_TIMING_DIR": str(timing_dir)}})
+             runtime_env={"env_vars": {"ATOM_RAY_STEP_TIMING_DIR": str(timing_dir),
+                                       "ATOM_RAY_KERNEL_PROFILE_STEPS": str(args.kernel_profile_steps)}})
     for name in args.models.split(","):
         model = f"benchmarks/configs/{name}"
         prompts, output_lens = throughput_workload(AutoConfig.from_pretrained(model).vocab_size)
@@ -160,6 +161,8 @@ def profile_table(results: dict) -> None:
     for name, layouts in results.items():
         for label, r in layouts.items():
             for rank, timing in sorted(r.get("ranks", {}).items()):
+                if "kernels" in timing:
+                    continue
                 for kind, k in timing.get("by_kind", {}).items():
                     rows.append((name, label, rank, kind, k["steps"], k["tokens"], f"{k['device_ms_median']:.2f}",
                                  f"{k['device_s_total']:.2f}", f"{k['gap_ms_mean']:.2f}", f"{k['gap_s_total']:.2f}",
@@ -167,6 +170,26 @@ def profile_table(results: dict) -> None:
     if rows:
         print_table(["model", "layout", "rank", "step kind", "steps", "tokens", "device ms median",
                      "device s", "gap ms mean", "gap s", "host launch ms"], rows)
+    kernel_table(results)
+
+
+def kernel_table(results: dict, top: int = 12) -> None:
+    """The kernels that took the most device time over each rank's traced window of full-batch steps
+    (`--kernel-profile-steps`), per step, beside the window's wall time per step."""
+    rows = []
+    for name, layouts in results.items():
+        for label, r in layouts.items():
+            for rank, trace in sorted(r.get("ranks", {}).items()):
+                if "kernels" not in trace:
+                    continue
+                steps = trace["steps"]
+                rows.append((name, label, rank, "(window: wall / kernels per step)",
+                             f"{trace['wall_ms'] / steps:.2f} / {trace['kernel_ms'] / steps:.2f}", "", ""))
+                for k in trace["kernels"][:top]:
+                    rows.append((name, label, rank, k["name"][:70], f"{k['ms_per_step']:.3f}",
+                                 f"{k['calls_per_step']:.0f}", f"{k['share']:.2f}"))
+    if rows:
+        print_table(["model", "layout", "rank", "kernel", "ms per step", "calls per step", "share"], rows)
 
 
 def check(args) -> dict:
@@ -211,6 +234,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(LAYOUTS))
     parser.add_argument("--layouts", default=None, help="comma-separated layout labels to run (default: all)")
     parser.add_argument("--num-requests", type=int, default=512)
+    parser.add_argument("--kernel-profile-steps", type=int, default=0,
+                        help="trace each rank's kernels over this many full-batch steps of the offline run")
     parser.add_argument("--check", action="store_true", help="only the tiny-model token check")
     parser.add_argument("--device", default="cuda", help="the check's device (cpu runs it through gloo)")
     parser.add_argument("--out", required=True)

@@ -116,11 +116,17 @@ def main() -> None:
     parser.add_argument("--libraries", action="store_true", help="also compare xgrammar and llguidance")
     parser.add_argument("--path", action="append", default=[], help="extra import path (the other library)")
     parser.add_argument("--skip-engine", action="store_true", help="only the library comparison")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="the packaged SmolLM2 (default), or a folder such as benchmarks/configs/smollm2-135m: "
+                             "its config and real tokenizer, for a GPU host the 94 MiB GGUF cannot travel to")
+    parser.add_argument("--load-format", default="auto", help="'dummy' with a config-only folder")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     sys.path[:0] = args.path
     from engine import LLM
     results = {"environment": environment_record()}
-    llm = LLM("smollm2-135m", show_progress=False)
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, show_progress=False)
+    results["model"] = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype}
     if args.libraries:
         from benchmarks.structured_output_libraries import compare
         engine = llm.engine

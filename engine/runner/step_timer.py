@@ -3,12 +3,19 @@ sets it): CUDA events around each launched step give its device time and the idl
 step, beside the host time to launch it. `<name>.json` in that folder gets medians over the first `steps`
 plans after `skip` (written as soon as they are in), and at shutdown the same figures for every step kind
 of the whole run: batch-1 decodes, larger decode-only batches, steps with prompt tokens, idle (a DP rank's
-padding-only step). Large gaps beside short device times mean the host, not the GPU, bounds the steps."""
+padding-only step). Large gaps beside short device times mean the host, not the GPU, bounds the steps.
+
+With `profile_steps` > 0 it also traces the GPU's kernels over that many consecutive steps, starting
+`profile_skip` steps after the first step that schedules `profile_min_seqs` sequences or more (an offline
+run's full batches, not a warm-up's), and writes `<name>.kernels.json`: the window's wall time, the sum of
+its kernels' device time, and the kernels that took the most device time, so a large-batch step that falls
+short says which operations it spends its time on."""
 from __future__ import annotations
 
 import json
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -45,15 +52,58 @@ def summary(rows: list[tuple[str, float, float, float, int]]) -> dict:
             "gap_s_total": sum(gaps) / 1e3, "host_launch_ms_median": statistics.median(host)}
 
 
+def kernel_summary(events, wall_ms: float, steps: int, top: int = 40) -> dict:
+    """Device time by kernel name over a traced window of `steps` steps (torch profiler CUDA events)."""
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name[event.name[:120]]
+            entry[0] += (event.time_range.end - event.time_range.start) / 1e3
+            entry[1] += 1
+    busy = sum(ms for ms, _ in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    return {"steps": steps, "wall_ms": wall_ms, "kernel_ms": busy,
+            "kernels": [{"name": name, "ms_per_step": ms / steps, "calls_per_step": calls / steps,
+                         "share": ms / busy if busy else 0.0} for name, (ms, calls) in ranked]}
+
+
 class StepTimer:
-    def __init__(self, folder: str, name: str, skip: int = 20, steps: int = 200) -> None:
+    def __init__(self, folder: str, name: str, skip: int = 20, steps: int = 200, profile_steps: int = 0,
+                 profile_skip: int = 20, profile_min_seqs: int = 128) -> None:
         self.path = Path(folder) / f"{name}.json"
         self.skip, self.steps = skip, steps
         self.records: list[tuple] = []
         self.seen = 0
+        self.profile_steps, self.profile_skip, self.profile_min_seqs = profile_steps, profile_skip, profile_min_seqs
+        self._profile_at: int | None = None  # the step number the trace starts at, once the trigger is seen
+        self._profiler = None
+        self._profile_started = 0.0
+
+    def _trace(self, scheduled: SchedulerOutput) -> None:
+        """Start or stop the kernel trace around the step about to launch (step number `self.seen`)."""
+        if self.profile_steps <= 0:
+            return
+        if self._profile_at is None and len(scheduled.num_scheduled_tokens) >= self.profile_min_seqs:
+            self._profile_at = self.seen + self.profile_skip
+        if self._profile_at is None:
+            return
+        if self.seen == self._profile_at:
+            torch.cuda.synchronize()
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._profiler.__enter__()
+            self._profile_started = time.perf_counter()
+        elif self.seen == self._profile_at + self.profile_steps and self._profiler is not None:
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - self._profile_started) * 1e3
+            self._profiler.__exit__(None, None, None)
+            report = kernel_summary(self._profiler.events(), wall_ms, self.profile_steps)
+            self._profiler = None
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.with_suffix(".kernels.json").write_text(json.dumps(report))
 
     def launch(self, scheduled: SchedulerOutput, fn):
         self.seen += 1
+        self._trace(scheduled)
         if self.seen <= self.skip or len(self.records) >= MAX_RECORDS:
             return fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

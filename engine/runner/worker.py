@@ -46,8 +46,9 @@ class Worker:
         self.runner = ModelRunner(config, source, self.device, max_model_len, eos_token_ids,
                                   show_progress=rank == 0)
         timing_dir = os.environ.get("ATOM_RAY_STEP_TIMING_DIR")
-        self.timer = StepTimer(timing_dir, f"dp{dp_rank}_rank{rank}") if timing_dir and self.device.type == "cuda" \
-            else None
+        profile_steps = int(os.environ.get("ATOM_RAY_KERNEL_PROFILE_STEPS", "0"))
+        self.timer = StepTimer(timing_dir, f"dp{dp_rank}_rank{rank}", profile_steps=profile_steps) \
+            if timing_dir and self.device.type == "cuda" else None
 
     def _launch(self, scheduled: SchedulerOutput) -> PendingOutput:
         if self.timer is None:

@@ -77,3 +77,61 @@ def test_recording_stops_at_its_bound(fake_cuda, tmp_path, monkeypatch):
     for _ in range(5):
         timer.launch(plan({"a": 1}), lambda: None)
     assert len(timer.records) == 3
+
+
+class FakeTrace:
+    """torch.profiler.profile stood in: each launched step while tracing adds one CUDA event per kernel."""
+    active = None
+
+    def __init__(self, activities):
+        self.kernels = []
+
+    def __enter__(self):
+        FakeTrace.active = self
+        return self
+
+    def __exit__(self, *exc):
+        FakeTrace.active = None
+
+    def events(self):
+        class Range:
+            def __init__(self, us):
+                self.start, self.end = 0.0, us
+
+        class Event:
+            def __init__(self, name, us):
+                self.name, self.time_range = name, Range(us)
+                self.device_type = torch.autograd.DeviceType.CUDA
+        return [Event(name, us) for name, us in self.kernels]
+
+
+def test_kernel_trace_covers_the_full_batch_window_only(fake_cuda, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.profiler, "profile", FakeTrace)
+    timer = StepTimer(str(tmp_path), "dp0_rank1", skip=0, steps=1000, profile_steps=3, profile_skip=2,
+                      profile_min_seqs=4)
+    small, full = {"a": 1, "b": 1}, {s: 1 for s in "abcd"}
+    traced = []
+
+    def step(counts):
+        def run():
+            if FakeTrace.active is not None:
+                traced.append(len(counts))
+                FakeTrace.active.kernels += [("gemm", 300.0), ("all_reduce", 100.0)]
+        timer.launch(plan(counts), run)
+    for counts in [small, small, full, small, full, full, full, full, small, full]:
+        step(counts)
+    # The trigger is the first full batch (step 3); the window is steps 5, 6 and 7.
+    assert traced == [4, 4, 4]
+    report = json.loads((tmp_path / "dp0_rank1.kernels.json").read_text())
+    assert report["steps"] == 3 and report["kernel_ms"] == pytest.approx(1.2)
+    assert [k["name"] for k in report["kernels"]] == ["gemm", "all_reduce"]
+    assert report["kernels"][0]["ms_per_step"] == pytest.approx(0.3)
+    assert report["kernels"][0]["calls_per_step"] == 1 and report["kernels"][1]["share"] == pytest.approx(0.25)
+
+
+def test_no_trace_without_profile_steps(fake_cuda, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.profiler, "profile", FakeTrace)
+    timer = StepTimer(str(tmp_path), "r", skip=0, steps=1000, profile_min_seqs=1)
+    for _ in range(50):
+        timer.launch(plan({"a": 1, "b": 1}), lambda: None)
+    assert not (tmp_path / "r.kernels.json").exists()
