@@ -299,6 +299,10 @@ class KVCacheManager:
         self.managers = [BlockManager(g.num_blocks, layout.block_size, prefix, g.ratio, g.window, i)
                          for i, g in enumerate(layout.groups)]
         self.slots = SlotPool(layout.num_state_slots) if layout.num_state_slots else None
+        # One full-attention group and no state: a running request's next tokens often fit in the blocks it
+        # holds, which `allocate` then confirms without the general bookkeeping (every decode step, every
+        # request: the scheduler's largest cost at large batches).
+        self._plain = len(self.managers) == 1 and self.managers[0].window is None and self.slots is None
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -332,6 +336,10 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Blocks in every group for `hit` (at admission) and `num_new_tokens` more tokens, and a state slot;
         False (and nothing taken) where one group or the slots fall short."""
+        if self._plain and hit is None and request.groups:
+            main = self.managers[0]
+            if main.blocks_needed(request.num_computed_tokens + num_new_tokens) <= len(request.groups[0].block_ids):
+                return True
         if self.slots is not None and request.state_slot is None and not self.slots.num_free:
             return False
         cached = hit.group_block_ids if hit else [()] * len(self.managers)

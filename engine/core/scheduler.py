@@ -186,7 +186,8 @@ class Scheduler:
                 continue
             drafts = drafts[:num_tokens - 1]
             num_old_blocks = [len(group.block_ids) for group in request.groups]
-            lookahead = self._lookahead(request.num_computed_tokens + num_tokens)
+            lookahead = (self._lookahead(request.num_computed_tokens + num_tokens) if self.config.lookahead_tokens
+                         else 0)
             while not self.block_manager.allocate(request, num_tokens + lookahead):
                 victim = next(r for r in reversed(self.running) if r.request_id not in out.num_scheduled_tokens)
                 self.running.remove(victim)
