@@ -29,6 +29,8 @@ _ENGINE_GAUGES = (
      "Draft tokens kept over draft tokens verified, since start (speculative decoding)."),
     ("spec_decode_mean_accepted_length", "spec_mean_accepted_length",
      "Tokens a verify step emits on average: kept drafts + 1, since start (speculative decoding)."),
+    ("resume_latency_seconds_max", "resume_latency_s_max",
+     "The longest pause of a resumed request: a DP rank's failure to its next output, since start."),
 )
 _ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -37,6 +39,15 @@ _ENGINE_COUNTERS = (
     ("generation_tokens", "generation_tokens", "Tokens the engine generated."),
     ("num_preemptions", "num_preemptions", "Sequences preempted for lack of KV cache blocks."),
     ("engine_restarts", "engine_restarts", "Times the engine was restarted after a failure."),
+    # Failover inside a data-parallel engine (atom_ray/dp_coordinator.py): requests of a failed DP rank
+    # continued on another, those that could not be, the seconds from detecting the failure to each resumed
+    # request's next output (summed: over resumed_requests, the mean pause), and DP ranks started again.
+    ("resumed_requests", "resumed_requests", "Requests of a failed DP rank continued on another."),
+    ("failed_resumes", "failed_resumes", "Requests of a failed DP rank that could not be continued (ended with "
+                                         "an error)."),
+    ("resume_latency_seconds", "resume_latency_s_sum",
+     "Seconds from a DP rank's failure to each resumed request's next output, summed."),
+    ("dp_rank_restarts", "dp_rank_restarts", "DP ranks started again after a failure."),
     # Speculative decoding (vLLM's names): verify rows, drafted tokens they ran, drafts they kept.
     ("spec_decode_num_drafts", "spec_verifies", "Request steps that verified drafts (speculative decoding)."),
     ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified (speculative decoding)."),
@@ -49,6 +60,7 @@ _DP_RANK_GAUGES = (
     ("dp_num_requests_waiting", "num_waiting", "Sequences waiting in this DP rank's scheduler."),
     ("dp_kv_cache_usage_perc", "kv_cache_usage", "Fraction of this DP rank's KV cache blocks in use."),
     ("dp_state_slot_usage_perc", "state_slot_usage", "Fraction of this DP rank's per-request state slots in use."),
+    ("dp_rank_serving", "serving", "1 while this DP rank takes requests; 0 from its failure until it is back."),
 )
 _DP_RANK_COUNTERS = (
     ("dp_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in this DP rank's prefix cache."),
