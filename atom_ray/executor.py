@@ -59,9 +59,14 @@ class RayExecutor:
         self._follow_refs = [peer.follow.remote() for peer in self.peers]
         return layouts[0]
 
-    def execute_async(self, scheduled: SchedulerOutput):
+    def execute_async(self, scheduled: SchedulerOutput, before_sampling=None):
         """Rank 0 shares the plan with its peers and launches it; `.result()` gives its RunnerOutput."""
-        return self.worker.execute_async(scheduled)
+        return self.worker.execute_async(scheduled, before_sampling)
+
+    @property
+    def samples_after_forward(self) -> bool:
+        """Only a single-rank engine: peers get the plan, with its masks filled, before the launch."""
+        return not self.peers
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         return self.execute_async(scheduled).result()

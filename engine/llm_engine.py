@@ -44,7 +44,11 @@ class Executor(Protocol):
     def determine_num_kv_blocks(self) -> int: ...
     def initialize_kv_cache(self, num_blocks: int) -> "CacheLayout | None": ...
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
-    def execute_async(self, scheduled: SchedulerOutput): ...  # in-process: has .result(); Ray: an ObjectRef
+    # in-process: has .result(); Ray: an ObjectRef. `before_sampling` (only where `samples_after_forward`):
+    # called between the launch of the forward pass and the building of the sampling inputs.
+    def execute_async(self, scheduled: SchedulerOutput, before_sampling=None): ...
+    @property
+    def samples_after_forward(self) -> bool: ...
     def step_needs_eager(self, scheduled: SchedulerOutput) -> bool: ...
     def expert_load(self) -> dict | None: ...
     def shutdown(self) -> None: ...
@@ -77,8 +81,14 @@ class InProcessExecutor:
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(scheduled)
 
-    def execute_async(self, scheduled: SchedulerOutput):
-        return self.runner.execute_async(scheduled)
+    def execute_async(self, scheduled: SchedulerOutput, before_sampling=None):
+        return self.runner.execute_async(scheduled, before_sampling)
+
+    @property
+    def samples_after_forward(self) -> bool:
+        """Whether `execute_async` can call back between the forward pass and sampling (one rank: no peer
+        needs the plan, structured-output masks included, before the launch)."""
+        return True
 
     def step_needs_eager(self, scheduled: SchedulerOutput) -> bool:
         return self.runner.step_needs_eager(scheduled)
@@ -326,14 +336,22 @@ class LLMEngine:
         # On a GPU: launch step N+1, then collect step N, so the host's work (scheduling, input
         # preparation, detokenization) overlaps the device's. The runner waits for step N first only
         # where step N+1 needs its tokens on the host (penalties). A step with structured-output rows whose
-        # previous token is still on its way collects step N before it is launched: their matchers take that
-        # token before their masks are filled (the masks themselves fill while step N+1's forward runs).
+        # previous token is still on its way collects step N once step N+1's forward pass is launched and
+        # before its sampling inputs are built: the matchers take that token before their masks are filled,
+        # and only the sampling waits for the masks. (Where the plan goes to TP peers with its masks, step N
+        # is collected before the launch.)
         launched = None
         if scheduled is not None:
             grammar = scheduled.structured_output
             if grammar is not None and grammar.waits_for_previous_step and self._in_flight is not None:
-                outputs += self._collect()
-            pending = self.executor.execute_async(scheduled)
+                if self.executor.samples_after_forward:  # the forward pass runs while step N is collected
+                    pending = self.executor.execute_async(scheduled,
+                                                          before_sampling=lambda: outputs.extend(self._collect()))
+                else:  # the plan, masks filled, goes to the peers before the launch
+                    outputs += self._collect()
+                    pending = self.executor.execute_async(scheduled)
+            else:
+                pending = self.executor.execute_async(scheduled)
             launched = None if scheduled.dummy else (scheduled, pending)
         if self._in_flight is not None:
             outputs += self._collect()

@@ -255,13 +255,14 @@ class ModelRunner:
         return self.execute_async(scheduled).result()
 
     @torch.inference_mode()
-    def execute_async(self, scheduled: SchedulerOutput) -> PendingOutput:
+    def execute_async(self, scheduled: SchedulerOutput, before_sampling=None) -> PendingOutput:
         """Launch a step, possibly before earlier steps' ids reached the host. Earlier steps are waited
         for only where this one needs them: a request with penalties (token history on the host), or
         whose newest pending token is older than the latest step (its input can only come from there); and
         all of them around a verify step: drafts follow a request's newest token on the host, and how many an
         earlier verify step kept moves the cache positions that this plan's counts already follow (a TP peer
-        launches a plan before recording the previous step)."""
+        launches a plan before recording the previous step). `before_sampling`: run between the forward pass's
+        launch and the sampling inputs (the engine collects the previous step there, for the grammar masks)."""
         if scheduled.spec_token_ids or any(pending.verifies for pending in self._unresolved):
             self.resolve_until(self._step)
         self._update_states(scheduled)
@@ -282,9 +283,11 @@ class ModelRunner:
         host = prepare_host_inputs(self.requests, scheduled.num_scheduled_tokens, self.block_size,
                                    tuple(key[0] for key in self._group_keys))
         grammar = scheduled.structured_output
-        if grammar is not None:  # structured output: its token masks fill on the host during the forward pass
+        if grammar is not None and before_sampling is None:  # its token masks fill during the forward pass
             grammar.start()
         hidden = self._forward(host, scheduled)
+        if before_sampling is not None:
+            before_sampling()
         if self.expert_load is not None:
             self.expert_load.step()
         output = RunnerOutput()

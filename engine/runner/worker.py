@@ -50,10 +50,10 @@ class Worker:
         self.timer = StepTimer(timing_dir, f"dp{dp_rank}_rank{rank}", profile_steps=profile_steps) \
             if timing_dir and self.device.type == "cuda" else None
 
-    def _launch(self, scheduled: SchedulerOutput) -> PendingOutput:
+    def _launch(self, scheduled: SchedulerOutput, before_sampling=None) -> PendingOutput:
         if self.timer is None:
-            return self.runner.execute_async(scheduled)
-        return self.timer.launch(scheduled, lambda: self.runner.execute_async(scheduled))
+            return self.runner.execute_async(scheduled, before_sampling)
+        return self.timer.launch(scheduled, lambda: self.runner.execute_async(scheduled, before_sampling))
 
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
@@ -62,12 +62,14 @@ class Worker:
         """Allocate this rank's caches; returns their CacheLayout."""
         return self.runner.initialize_kv_cache(num_blocks)
 
-    def execute_async(self, scheduled: SchedulerOutput) -> PendingOutput:
-        """Leader only: share the plan with the peers, then launch it."""
+    def execute_async(self, scheduled: SchedulerOutput, before_sampling=None) -> PendingOutput:
+        """Leader only: share the plan with the peers, then launch it (`before_sampling`: one rank only, see
+        ModelRunner.execute_async)."""
         assert self.rank == 0
         if self.world_size > 1:
+            assert before_sampling is None, "peers need the plan's masks before the launch"
             self._broadcast(scheduled)
-        return self._launch(scheduled)
+        return self._launch(scheduled, before_sampling)
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput | None:
         return self.execute_async(scheduled).result()

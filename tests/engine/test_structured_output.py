@@ -67,14 +67,25 @@ def test_free_requests_get_the_same_tokens_beside_constrained_ones(smollm2):
     check_all(cases, mixed[len(FREE_PROMPTS):])
 
 
-def test_steps_launched_ahead_wait_for_the_tokens_a_mask_needs(smollm2):
+@pytest.mark.parametrize("samples_after_forward", [True, False])
+def test_steps_launched_ahead_wait_for_the_tokens_a_mask_needs(smollm2, monkeypatch, samples_after_forward):
     """A GPU launches step N+1 before step N's tokens reach the host; a step with constrained rows collects step N
-    first. Forced here on the CPU: the outputs are those of synchronous steps."""
+    between its forward pass and its sampling (one rank), or before its launch (TP peers need the masks with the
+    plan). Forced here on the CPU: the outputs are those of synchronous steps."""
     cases = CASES[1::4]
     prompts = FREE_PROMPTS + [c.prompt for c in cases]
     params = [SamplingParams(temperature=0, max_tokens=16)] * len(FREE_PROMPTS) + [constrained(c) for c in cases]
     synchronous = smollm2.generate(prompts, params)
     engine = smollm2.engine
+    executor = engine.executor
+    launches = {"callback": 0, "plain": 0}
+    execute_async = executor.execute_async
+
+    def counting(scheduled, before_sampling=None):
+        launches["callback" if before_sampling is not None else "plain"] += 1
+        return execute_async(scheduled, before_sampling)
+    monkeypatch.setattr(executor, "execute_async", counting)
+    monkeypatch.setattr(type(executor), "samples_after_forward", property(lambda self: samples_after_forward))
     engine._run_ahead = True
     try:
         ahead = smollm2.generate(prompts, params)
@@ -82,6 +93,7 @@ def test_steps_launched_ahead_wait_for_the_tokens_a_mask_needs(smollm2):
         engine._run_ahead = False
     assert [o.token_ids for o in ahead] == [o.token_ids for o in synchronous]
     check_all(cases, ahead[len(FREE_PROMPTS):])
+    assert (launches["callback"] > 0) == samples_after_forward, launches
 
 
 def test_logprobs_are_those_of_the_masked_distribution(smollm2):
