@@ -20,6 +20,7 @@ Qwen3-Next / Qwen3.5), dummy weights at the real shapes of benchmarks/configs:
 from __future__ import annotations
 
 import argparse
+from functools import partial
 import dataclasses
 import json
 import time
@@ -249,7 +250,7 @@ def window(args) -> dict:
 
                     def call(cache, q=q, k=k, metadata=metadata, options=options, dim=dim):
                         TritonAttentionBackend.forward(q, k, k, cache, metadata, dim ** -0.5, BLOCK, options=options)
-                    times[(context, win)] = time_calls(call, caches)
+                    times[(context, win)] = time_calls([partial(call, cache) for cache in caches])
                     del caches
             key = f"{label}, batch {batch}"
             results[key] = {f"{c} tokens, window {w}": t for (c, w), t in times.items()}

@@ -21,6 +21,9 @@ from engine.models.llama import LlamaForCausalLM, head_dim_of
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
+# gpt-oss's activation constant: transformers before 5.2x has no `swiglu_alpha` in the config and uses this.
+GPT_OSS_ALPHA = 1.702
+
 
 def layer_types_of(config) -> list[str]:
     """Each layer's attention kind: the config's `layer_types`, else transformers' default (sliding on even
@@ -82,7 +85,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         # Top k of the logits, softmax over the k: softmax over all experts renormalised over the chosen k.
         router = RouterConfig("softmax_topk", config.num_experts_per_tok, renormalize=True)
         return FusedMoE(num_routed_experts(config), config.hidden_size, config.intermediate_size, router,
-                        swiglu_limit=float(config.swiglu_limit), oai_alpha=float(config.swiglu_alpha),
+                        swiglu_limit=float(config.swiglu_limit),
+                        oai_alpha=float(getattr(config, "swiglu_alpha", GPT_OSS_ALPHA)),
                         expert_bias=True, router_bias=True, checkpoint_layout="gpt_oss")
 
     def remap_checkpoint_name(self, name: str) -> str | None:

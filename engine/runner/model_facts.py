@@ -28,7 +28,7 @@ def model_facts(hf_config, config: EngineConfig, dtype: torch.dtype) -> kernels.
                    mla_entry=(int(text.kv_lora_rank), int(text.qk_rope_head_dim)))
     extras = (("attention sinks",) if getattr(text, "model_type", None) == "gpt_oss" else ()) + \
         (("logit soft-capping",) if getattr(text, "attn_logit_softcapping", None) else ())
-    epilogue = ("expert biases and gpt-oss's activation" if getattr(text, "swiglu_alpha", None) is not None
+    epilogue = ("expert biases and gpt-oss's activation" if getattr(text, "model_type", None) == "gpt_oss"
                 else "GELU-tanh experts" if getattr(text, "enable_moe_block", False) else None)
     return kernels.ModelFacts(**mla, clamped_experts=getattr(text, "swiglu_limit", None) is not None,
                               expert_epilogue=epilogue, head_sizes=tuple(sorted({size for size, _ in shapes})),
