@@ -71,7 +71,7 @@ def run_with_fault(engine, prompts, params, inject, wait_for_tokens: int = KILL_
         while min(progress) < wait_for_tokens and not all(t.done() for t in tasks):
             assert time.monotonic() < deadline, progress
             await asyncio.sleep(0.01)
-        assert not any(t.done() for t in tasks), "a stream ended before the fault"
+        assert not any(t.done() for t in tasks), ("a stream ended before the fault", progress, [(i, t.result()[0].outputs[0].finish_reason if not t.exception() else t.exception()) for i, t in enumerate(tasks) if t.done()])
         inject()
         return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
     return asyncio.run(scenario())
@@ -144,6 +144,46 @@ def test_dense_streams_survive_a_failed_dp_rank_token_for_token(dense, sig):
     assert stats["resume_latency_s_max"] > 0
     assert_back_and_serving(engine, expected, 1, pid)
     assert engine.stats()["dp_rank_restarts"] == before["dp_rank_restarts"] + 1
+
+
+def test_n_samples_logprobs_stop_strings_and_grammars_continue_as_undisturbed(dense):
+    """Each rank runs one request of each kind, so the killed rank holds all kinds."""
+    engine, _ = dense
+    text_prompt = "The quick brown fox"
+    plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    full_text = engine.generate([text_prompt], plain)[0].text
+    # A stop string that first appears late in the text: after the fault.
+    start = next(k for k in range(len(full_text) * 2 // 3, len(full_text) - 3)
+                 if full_text[k:k + 3] not in full_text[:k + 2])
+    stop = full_text[start:start + 3]
+    n_samples = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    stopped = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
+    grammar = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"regex": r"[a-z]{3}( [a-z]{2,6}){14}\."})
+    penalties = SamplingParams(temperature=0.7, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=1.0,
+                               presence_penalty=0.5, repetition_penalty=1.2, min_tokens=MAX_TOKENS - 2)
+    # Routed alternately: each rank gets one of each.
+    params = [n_samples, stopped, grammar, penalties, stopped, n_samples, penalties, grammar]
+    prompts = [text_prompt] * len(params)
+    expected = engine.generate(prompts, params)
+    before = engine.stats()
+    _, pid = engine.rank_process_ids()[1]
+    outcomes = run_with_fault(engine, prompts, params, signal_process(pid, signal.SIGKILL), wait_for_tokens=4)
+    for index, (outcome, reference) in enumerate(zip(outcomes, expected)):
+        assert not isinstance(outcome, BaseException), (index, outcome)
+        output = outcome[0]
+        for completion, undisturbed in zip(output.outputs, reference.outputs, strict=True):
+            assert completion.token_ids == undisturbed.token_ids, index
+            assert completion.text == undisturbed.text, index
+            assert (completion.finish_reason, completion.stop_reason) == (undisturbed.finish_reason,
+                                                                          undisturbed.stop_reason), index
+            if undisturbed.logprobs is not None:
+                assert len(completion.logprobs) == len(completion.token_ids)
+                assert [max(p, key=lambda t: p[t].logprob) for p in completion.logprobs] == \
+                    [max(p, key=lambda t: p[t].logprob) for p in undisturbed.logprobs]
+        assert output.prompt_token_ids == reference.prompt_token_ids  # usage: the original prompt's tokens
+    assert expected[1].finish_reason == "stop" and expected[2].finish_reason == "stop"  # the stop, the grammar's end
+    assert engine.stats()["resumed_requests"] > before["resumed_requests"]
+    assert_back_and_serving(engine, dense[1], 1, pid)
 
 
 def test_a_continuation_that_cannot_fit_ends_with_an_error_and_the_others_finish(dense):
