@@ -65,7 +65,8 @@ class EngineHandle:
         return self.client.stats()
 
     def rank_process_ids(self) -> list[tuple[str, int]]:
-        """(node address, pid) of every rank, TP rank 0 first (under data parallelism, DP rank by DP rank)."""
+        """(node address, pid) of every rank, TP rank 0 first (under data parallelism, DP rank by DP rank, of
+        the DP ranks that serve: one being started again after a failure is left out)."""
         import ray
         return ray.get(self.coordinator.rank_process_ids.remote())
 

@@ -230,8 +230,8 @@ class DPCoordinator(ClientOutboxes):
             raise
         finally:
             fence.cancel()
-        if not call.done():  # the rank was fenced (it hangs): its requests, this one included, move on
-            return False
+        if not call.done() or generation != self._generation[dp]:
+            return False  # the rank was fenced meanwhile: its requests, this one included, move on
         exc = call.exception()
         if exc is None:
             return True

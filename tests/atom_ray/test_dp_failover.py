@@ -71,7 +71,8 @@ def run_with_fault(engine, prompts, params, inject, wait_for_tokens: int = KILL_
         while min(progress) < wait_for_tokens and not all(t.done() for t in tasks):
             assert time.monotonic() < deadline, progress
             await asyncio.sleep(0.01)
-        assert not any(t.done() for t in tasks), ("a stream ended before the fault", progress, [(i, t.result()[0].outputs[0].finish_reason if not t.exception() else t.exception()) for i, t in enumerate(tasks) if t.done()])
+        ended = [index for index, task in enumerate(tasks) if task.done()]
+        assert not ended, f"streams {ended} ended before the fault (tokens so far: {progress})"
         inject()
         return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
     return asyncio.run(scenario())

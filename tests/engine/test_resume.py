@@ -140,7 +140,8 @@ def test_delivered_tokens_the_grammar_refuses_fail_the_request_alone(engine):
 def test_a_continuation_that_no_longer_fits_is_refused_naming_why(engine):
     prompt = engine.tokenizer.encode(PROMPT)
     delivered = tuple([42] * (engine.max_model_len - len(prompt)))
-    with pytest.raises(InvalidRequestError, match=r"already generated make \d+ but the context length \(max_model_len\)"):
+    too_long = r"already generated make \d+ but the context length \(max_model_len\)"
+    with pytest.raises(InvalidRequestError, match=too_long):
         engine.add_request("too-long", PROMPT, SamplingParams(max_tokens=None),
                            resume=ResumeState((ResumedSample(0, delivered, 0),)))
     with pytest.raises(InvalidRequestError, match="distinct samples"):
