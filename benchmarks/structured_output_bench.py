@@ -53,6 +53,33 @@ def throughput(llm) -> dict:
             "rounds": {k: [round(v, 1) for v in vs] for k, vs in rates.items()}}
 
 
+def host_profile(llm, top: int = 25) -> dict:
+    """The step thread's functions (cProfile, by own time) over one constrained round and one unconstrained
+    round of the throughput workload: where a constrained step's extra host time goes."""
+    import cProfile
+    import io
+    import pstats
+    from engine import SamplingParams
+    json_cases = [c for c in CASES if c.kind == "json"]
+    cases = [json_cases[i % len(json_cases)] for i in range(BATCH)]
+    prompts = [c.prompt for c in cases]
+    constrained = [SamplingParams(temperature=0, max_tokens=CASE_MAX_TOKENS, structured_outputs=c.structured_outputs)
+                   for c in cases]
+    outputs, _ = run_requests(llm.engine, prompts, constrained)  # warm-up
+    free = [SamplingParams(temperature=0, max_tokens=len(o.token_ids), ignore_eos=True) for o in outputs]
+    report = {}
+    for label, params in (("constrained", constrained), ("unconstrained", free)):
+        profile = cProfile.Profile()
+        profile.enable()
+        _, seconds = run_requests(llm.engine, prompts, params)
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+        report[label] = {"seconds": seconds, "functions": text.getvalue()}
+        print(f"== {label}: {seconds:.2f} s under cProfile\n{text.getvalue()[:5000]}")
+    return report
+
+
 def compile_times(llm) -> dict:
     from engine.sampling_params import StructuredOutputsParams
     from engine.structured_output.manager import StructuredOutputManager
@@ -121,12 +148,18 @@ def main() -> None:
                              "its config and real tokenizer, for a GPU host the 94 MiB GGUF cannot travel to")
     parser.add_argument("--load-format", default="auto", help="'dummy' with a config-only folder")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--profile", action="store_true", help="only the step thread's host profile")
     args = parser.parse_args()
     sys.path[:0] = args.path
     from engine import LLM
     results = {"environment": environment_record()}
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, show_progress=False)
     results["model"] = {"model": args.model, "load_format": args.load_format, "dtype": args.dtype}
+    if args.profile:
+        results["host_profile"] = host_profile(llm)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return
     if args.libraries:
         from benchmarks.structured_output_libraries import compare
         engine = llm.engine
