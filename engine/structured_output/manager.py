@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
 COMPILE_THREADS = 2
-MASK_BUFFERS = 3
 
 
 class GrammarRequest:
@@ -55,10 +54,6 @@ class GrammarRequest:
 
     def cancel(self) -> None:
         self._future.cancel()
-
-
-def pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.int32, pin_memory=True)
 
 
 def wait_for(grammars: list[GrammarRequest], timeout_s: float, any_of: bool = False) -> None:
@@ -145,13 +140,6 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._ll_executor = None
-        # Where a GPU samples: the masks are filled in place in pinned host buffers, reused in turn, so that a
-        # step allocates and pins nothing (both cost about half a millisecond a step at 64 rows of a 49k
-        # vocabulary on an H200 host). A buffer comes round again three steps later: by then the engine has
-        # collected the step that read it (at most two are in flight), so its copy to the device is done.
-        self._pinned = torch.cuda.is_available()
-        self._buffers: list[torch.Tensor | None] = [None] * MASK_BUFFERS
-        self._next_buffer = 0
         self.num_compiled = 0
 
     # ---- compiling, off the step loop ---------------------------------------------------------------------
@@ -218,7 +206,7 @@ class StructuredOutputManager:
         firsts = [0]
         for request_drafts in drafts:
             firsts.append(firsts[-1] + 1 + len(request_drafts))
-        bitmask = self._mask_buffer(firsts[-1])
+        bitmask = torch.full((firsts[-1], self.bitmask_width), -1, dtype=torch.int32)
         rows = [(m.llmatcher, firsts[i]) for i, m in enumerate(matchers) if m.error is None]
         if rows:
             fill_next_token_bitmask_par(self._ll_executor, rows, bitmask)
@@ -232,20 +220,6 @@ class StructuredOutputManager:
             if taken and matcher.error is None:
                 matcher.rollback(taken)
         return bitmask
-
-    def _mask_buffer(self, num_rows: int) -> torch.Tensor:
-        """[num_rows, bitmask_width] int32 of -1 (every token allowed): the next of the reused pinned buffers
-        where a GPU is present (grown as needed), else a new tensor."""
-        if not self._pinned:
-            return torch.full((num_rows, self.bitmask_width), -1, dtype=torch.int32)
-        index, self._next_buffer = self._next_buffer, (self._next_buffer + 1) % MASK_BUFFERS
-        buffer = self._buffers[index]
-        if buffer is None or buffer.shape[0] < num_rows:
-            size = max(num_rows, 64 if buffer is None else 2 * buffer.shape[0])
-            buffer = self._buffers[index] = pinned_empty((size, self.bitmask_width))
-        view = buffer[:num_rows]
-        view.fill_(-1)
-        return view
 
     def stats(self) -> dict:
         return {"structured_output_grammars_cached": len(self.grammars),
