@@ -60,19 +60,24 @@ async def stream(engine, prompt, params, progress: list, slot: int):
     return output, streamed
 
 
-def run_with_fault(engine, prompts, params, inject, wait_for_tokens: int = KILL_AFTER_TOKENS):
-    """All streams at once; `inject()` once each has `wait_for_tokens` tokens. Returns each stream's outcome:
-    (final output, streamed tokens) or the exception it raised."""
+def run_with_fault(engine, prompts, params, inject, wait_for_tokens: int = KILL_AFTER_TOKENS,
+                   all_live: bool = True):
+    """All streams at once; `inject()` once each has `wait_for_tokens` tokens (or, unless `all_live` is
+    required, has ended: on 2 shared cores one rank can run several times ahead of the other). Returns each
+    stream's outcome: (final output, streamed tokens) or the exception it raised."""
     async def scenario():
         progress = [0] * len(prompts)
         tasks = [asyncio.ensure_future(stream(engine, p, sp, progress, i))
                  for i, (p, sp) in enumerate(zip(prompts, params))]
         deadline = time.monotonic() + 60
-        while min(progress) < wait_for_tokens and not all(t.done() for t in tasks):
+        while any(n < wait_for_tokens and not t.done() for n, t in zip(progress, tasks)):
             assert time.monotonic() < deadline, progress
             await asyncio.sleep(0.01)
         ended = [index for index, task in enumerate(tasks) if task.done()]
-        assert not ended, f"streams {ended} ended before the fault (tokens so far: {progress})"
+        if all_live:
+            assert not ended, f"streams {ended} ended before the fault (tokens so far: {progress})"
+        else:
+            assert len(ended) < len(tasks), f"every stream ended before the fault (tokens: {progress})"
         inject()
         return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 180)
     return asyncio.run(scenario())
@@ -167,8 +172,17 @@ def test_n_samples_logprobs_stop_strings_and_grammars_continue_as_undisturbed(de
     prompts = [text_prompt] * len(params)
     expected = engine.generate(prompts, params)
     before = engine.stats()
-    _, pid = engine.rank_process_ids()[1]
-    outcomes = run_with_fault(engine, prompts, params, signal_process(pid, signal.SIGKILL), wait_for_tokens=4)
+    # Which rank gets which request depends on timing (the prompts share a prefix), and on 2 shared cores one
+    # rank may finish its streams while the other's have a few tokens: the fault goes to the rank whose
+    # streams are still running.
+    killed = {}
+
+    def kill_the_busier_rank():
+        ranks = engine.stats()["dp_ranks"]
+        killed["dp"] = max(range(len(ranks)), key=lambda r: ranks[r]["outstanding_requests"])
+        killed["pid"] = engine.rank_process_ids()[killed["dp"]][1]
+        os.kill(killed["pid"], signal.SIGKILL)
+    outcomes = run_with_fault(engine, prompts, params, kill_the_busier_rank, wait_for_tokens=4, all_live=False)
     for index, (outcome, reference) in enumerate(zip(outcomes, expected)):
         assert not isinstance(outcome, BaseException), (index, outcome)
         output = outcome[0]
@@ -184,7 +198,7 @@ def test_n_samples_logprobs_stop_strings_and_grammars_continue_as_undisturbed(de
         assert output.prompt_token_ids == reference.prompt_token_ids  # usage: the original prompt's tokens
     assert expected[1].finish_reason == "stop" and expected[2].finish_reason == "stop"  # the stop, the grammar's end
     assert engine.stats()["resumed_requests"] > before["resumed_requests"]
-    assert_back_and_serving(engine, dense[1], 1, pid)
+    assert_back_and_serving(engine, dense[1], killed["dp"], killed["pid"])
 
 
 def test_a_continuation_that_cannot_fit_ends_with_an_error_and_the_others_finish(dense):
