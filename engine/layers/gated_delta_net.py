@@ -182,6 +182,10 @@ class GatedDeltaNet(KVCacheLayer):
 
 
 def _check(tensor: torch.Tensor, shape: tuple, what: str) -> None:
+    if not tensor.dtype.is_floating_point or tensor.element_size() == 1:  # packed MXFP4 codes, FP8, int
+        raise ValueError(f"{what} is quantized in this checkpoint ({tensor.dtype}); the Gated DeltaNet "
+                         "projections load in full precision only (a checkpoint that leaves its linear_attn "
+                         "projections unquantized loads)")
     if tuple(tensor.shape) != tuple(shape):
         raise ValueError(f"{what}: shape {tuple(tensor.shape)}, expected {tuple(shape)}")
 

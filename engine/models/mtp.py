@@ -1,6 +1,7 @@
-"""Multi-token prediction: the layer that DeepSeek-V3/R1 (and Kimi-K2, GLM-4.5/4.6) checkpoints store after their
-last decoder layer (model.layers.{num_hidden_layers}.*) and Qwen3-Next / Qwen3.5 checkpoints as `mtp.*`, the
-drafter of speculative_config method "mtp".
+"""Multi-token prediction: the layer that DeepSeek-V3/R1 (and Kimi-K2, GLM-4.5/4.6, DeepSeek-V3.2, GLM-5)
+checkpoints store after their last decoder layer (model.layers.{num_hidden_layers}.*) and Qwen3-Next / Qwen3.5
+checkpoints as `mtp.*`, the drafter of speculative_config method "mtp". DeepSeek-V3.2's and GLM-5's is a DSA
+layer with its own indexer (engine/models/deepseek_v32.py).
 
 Its forward, as published: the next token's embedding (DeepSeek's zeroed at position 0) and the previous
 position's hidden state (the target's after its final norm; the layer's own pre-norm output for chained
@@ -96,6 +97,20 @@ class MultiTokenPredictionMixin:
         if not is_mtp_layer_tensor(name, config, self.num_mtp_layers(config)):
             return name
         return self.mtp_checkpoint_name(name)
+
+    def checkpoint_module_name(self, name: str) -> str:
+        """The checkpoint's name of our module `name` (a quantization config's exclusions name those)."""
+        return self.mtp_module_checkpoint_name(name) if name.startswith("mtp.") else name
+
+    def mtp_module_checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of a module of our MTP layer (`mtp.block.mlp` -> `model.layers.61.mlp`)."""
+        rest, prefix = name[len("mtp."):], self.mtp_prefix(self.config)
+        if rest.startswith("block."):
+            return prefix + self.mtp_block + rest[len("block."):]
+        for theirs, ours in self.mtp_own.items():
+            if (rest + ".").startswith(ours):
+                return (prefix + theirs + rest[len(ours):]).rstrip(".")
+        return name
 
     def mtp_checkpoint_name(self, name: str) -> str | None:
         """Ours for a checkpoint tensor of an MTP layer; None: not built, a second layer, or the target's."""

@@ -10,6 +10,8 @@ layer); `mlp.shared_expert` is our `mlp.shared_experts`. Prefix caching is off f
 recurrent state is not cached per prefix), as the start-up log says."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -98,6 +100,18 @@ class Qwen3NextForCausalLM(QwenMultiTokenPredictionMixin, LlamaForCausalLM):
             shared = LlamaMLP(config, intermediate_size=config.shared_expert_intermediate_size, reduce_results=False)
         return FusedMoE(num_routed_experts(config), config.hidden_size, config.moe_intermediate_size, router,
                         shared_experts=shared, shared_expert_gate=shared is not None)
+
+    def checkpoint_module_name(self, name: str) -> str:
+        """The checkpoint's name of our module `name` (a quantization config's exclusions name those, e.g.
+        `model.layers.0.linear_attn.in_proj_ba`): a Gated DeltaNet layer's `self_attn` is its `linear_attn`,
+        the shared experts are its `shared_expert`, and the MTP layer is under `mtp.`."""
+        if name.startswith("mtp."):
+            name = self.mtp_module_checkpoint_name(name)
+        else:
+            layer = re.match(r"model\.layers\.(\d+)\.self_attn(\.|$)", name)
+            if layer and self.layer_types[int(layer[1])] == "linear_attention":
+                name = name.replace(".self_attn", ".linear_attn", 1)
+        return name.replace(".mlp.shared_experts", ".mlp.shared_expert")
 
     def remap_checkpoint_name(self, name: str) -> str | None:
         if name.startswith("mtp."):  # the multi-token-prediction layer: built only for speculative decoding
