@@ -43,7 +43,7 @@ def resident_mb(pid: int) -> float | None:
 async def one_stream(engine, prompt, params, record: dict) -> None:
     """One stream; `record` gets its tokens, the longest gap between two of them and whether it failed."""
     tokens, last, longest = [], time.monotonic(), 0.0
-    record["start"] = last
+    record.update(start=last, tokens=tokens)  # filled as the tokens come: the run's output rate reads them
     try:
         async for output in engine.stream(prompt, params):
             now = time.monotonic()
@@ -162,7 +162,8 @@ def main() -> None:
         "errors": sorted({r["error"] for r in lost})[:5],
     }
     Path(args.out).write_text(json.dumps({"environment": environment_record(), "args": vars(args),
-                                          "summary": summary, "kills": result["kills"]}, indent=2))
+                                          "summary": summary, "kills": result["kills"],
+                                          "produced": result["produced"]}, indent=2))
     print_table(["measure", "value"], [(k, v) for k, v in summary.items() if k not in ("errors",)])
     if summary["errors"]:
         print("errors:", summary["errors"])
