@@ -16,6 +16,7 @@ from typing import AsyncIterator
 
 from engine.errors import EngineDeadError, RequestFailedError
 from engine.outputs import CompletionOutput, RequestOutput, drain_merged
+from engine.resume import ResumeState
 from engine.sampling_params import SamplingParams
 
 from atom_ray.coordinator import OutputDelta
@@ -34,18 +35,16 @@ def unwrap_ray_error(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
-class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt) -> None:
-        self.loop, self.queue = loop, asyncio.Queue()
-        self.output: RequestOutput | None = None
+class OutputAccumulator:
+    """A request's cumulative RequestOutput, built from its OutputDeltas (each a fresh object: earlier ones stay
+    valid). Started from `output`, it continues that output (a request resumed elsewhere, deployments/)."""
+
+    def __init__(self, prompt=None, output: RequestOutput | None = None) -> None:
+        self.output = output
         self.prompt = prompt if isinstance(prompt, str) else None
 
-    def put(self, item) -> bool:
-        """Hand an item to the reader's event loop; False if that loop has closed."""
-        return _hand_over(self.loop, [(self, item)])
-
     def apply(self, delta: OutputDelta) -> RequestOutput:
-        """The cumulative RequestOutput after this delta (a fresh object: earlier ones stay valid)."""
+        """The cumulative RequestOutput after this delta."""
         if self.output is None:
             self.output = RequestOutput(delta.request_id, self.prompt, delta.prompt_token_ids or [], [],
                                         prompt_logprobs=delta.prompt_logprobs)
@@ -57,7 +56,8 @@ class _Stream:
                 index=change.index, text=current.text + change.new_text,
                 token_ids=current.token_ids + change.new_token_ids, finish_reason=change.finish_reason,
                 stop_reason=change.stop_reason,
-                logprobs=(current.logprobs or []) + change.new_logprobs if change.new_logprobs is not None else current.logprobs,
+                logprobs=(current.logprobs or []) + change.new_logprobs if change.new_logprobs is not None
+                else current.logprobs,
                 new_text=change.new_text, new_token_ids=change.new_token_ids)
         changed = {c.index for c in delta.completions}
         outputs = [completions[i] if i in changed else _without_delta(completions[i]) for i in sorted(completions)]
@@ -65,6 +65,16 @@ class _Stream:
                                     outputs, delta.finished, self.output.prompt_logprobs, delta.num_cached_tokens,
                                     delta.metrics or self.output.metrics, delta.error)
         return self.output
+
+
+class _Stream(OutputAccumulator):
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt) -> None:
+        super().__init__(prompt)
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, item) -> bool:
+        """Hand an item to the reader's event loop; False if that loop has closed."""
+        return _hand_over(self.loop, [(self, item)])
 
 
 def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, object]]) -> bool:
@@ -114,14 +124,18 @@ class RayEngineClient:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       resume: ResumeState | None = None) -> AsyncIterator[RequestOutput]:
+        """`resume`: the request continues one that failed elsewhere (engine/resume.py); its outputs then carry
+        only what comes after what was delivered."""
         if not self.is_healthy:
             raise EngineDeadError(f"the engine is not available: {self.error or self._stats.get('error')}")
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), prompt)
         with self._lock:  # registered first: outputs may arrive before add_request returns
             self._streams[request_id] = stream
-        added = self.coordinator.add_request.remote(self.client_id, request_id, prompt, params).future()
+        added = self.coordinator.add_request.remote(self.client_id, request_id, prompt, params,
+                                                   resume).future()
         try:
             # Shielded: a caller that is cancelled (its HTTP client left) must not cancel the coordinator's call
             # half-way (asyncio.shield also marks its late error as seen); the request is aborted below

@@ -102,7 +102,9 @@ class DPCoordinator(ClientOutboxes):
         return self._info
 
     # ---- called by clients ----------------------------------------------------------------------------
-    async def add_request(self, client_id: str, request_id: str, prompt, params: SamplingParams) -> None:
+    async def add_request(self, client_id: str, request_id: str, prompt, params: SamplingParams,
+                          resume: ResumeState | None = None) -> None:
+        """`resume`: the request continues one whose engine failed (a Serve replica's, deployments/)."""
         if self._error is not None:
             raise EngineDeadError(f"the engine failed: {self._error!r}")
         self.owner[request_id] = client_id  # first: an abort may come while the prompt is tokenized
@@ -111,9 +113,9 @@ class DPCoordinator(ClientOutboxes):
             else self._token_ids(prompt)
         if self.owner.get(request_id) != client_id:  # aborted meanwhile: never sent to a rank
             return
-        self.journal[request_id] = RequestRecord.new(prompt, params)
+        self.journal[request_id] = RequestRecord.new(prompt, params, resume)
         try:
-            await self._submit(request_id, token_ids, prompt, params, None)
+            await self._submit(request_id, token_ids, prompt, params, resume)
         except BaseException:
             self._forget(request_id)
             self.owner.pop(request_id, None)

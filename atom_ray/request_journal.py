@@ -2,7 +2,8 @@
 the prompt's token ids, the sampling parameters and, per sample, the token ids and the characters of text
 delivered to the client, whether it finished (token ids and counts only: no KV, no logits). From that it
 builds the continuation (engine/resume.py) and rewrites the continuation's outputs so that the client sees
-one stream: no second prompt, the first cache hit, metrics that span the whole request."""
+one stream: no second prompt, the first cache hit, metrics that span the whole request. The Serve replicas
+keep the same record per stream, for failover across replicas (deployments/replica_failover.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,10 +35,18 @@ class RequestRecord:
     first_output_at: float | None = None  # this actor's time.monotonic() at its first output
     num_resumes: int = 0
     resumed_at: float | None = None  # when its latest rank failure was detected, until its next output
+    arrived_resumed: bool = False  # it came as a continuation (a replica's engine failed, deployments/)
 
     @classmethod
-    def new(cls, prompt, params: SamplingParams) -> "RequestRecord":
-        return cls(prompt, params, {index: SampleRecord() for index in range(params.n)})
+    def new(cls, prompt, params: SamplingParams, resume: ResumeState | None = None) -> "RequestRecord":
+        """`resume`: the request arrives as a continuation; what its samples delivered before counts as
+        delivered here too, and the samples it does not list had finished."""
+        if resume is None:
+            return cls(prompt, params, {index: SampleRecord() for index in range(params.n)})
+        listed = {sample.index: sample for sample in resume.samples}
+        samples = {index: SampleRecord(list(listed[index].token_ids), listed[index].num_sent_chars) if index in listed
+                   else SampleRecord(finished=True) for index in range(params.n)}
+        return cls(prompt, params, samples, arrived_resumed=True)
 
     @property
     def num_delivered_tokens(self) -> int:
@@ -47,13 +56,14 @@ class RequestRecord:
         """(prompt, params, resume) that continue this request on another rank. Before its first output it is
         simply sent again; after, its unfinished samples resume from what they delivered, and the prompt's
         logprobs (delivered with the first output) are not computed again."""
-        if not self.started:
+        if not self.started and not self.arrived_resumed:
             return self.prompt, self.params, None
         params = self.params if self.params.prompt_logprobs is None else \
             dataclasses.replace(self.params, prompt_logprobs=None)
         resumed = tuple(ResumedSample(index, tuple(sample.token_ids), sample.num_chars)
                         for index, sample in sorted(self.samples.items()) if not sample.finished)
-        return self.prompt_token_ids, params, ResumeState(resumed)
+        prompt = self.prompt_token_ids if self.prompt_token_ids is not None else self.prompt
+        return prompt, params, ResumeState(resumed)
 
     def record(self, delta: OutputDelta, now: float) -> OutputDelta:
         """Take note of what `delta` delivers; returns it as the client must see it."""

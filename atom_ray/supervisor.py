@@ -5,7 +5,8 @@ new one. Meanwhile it says it is unhealthy, so a new request gets a fast 503 ins
 `max_restarts` failed starts in a row it gives up, and `failed` says why: Serve then replaces the replica.
 
 It offers the client interface the OpenAI app takes (generate, abort, stats, tokenizer, max_model_len,
-is_healthy), so the app is unaware of restarts."""
+is_healthy), so the app is unaware of restarts. In a Serve replica, deployments/replica_failover.py sits
+above it and continues the failed requests on another replica, or here once the engine is back."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from typing import AsyncIterator, Callable
 
 from engine.errors import EngineDeadError
 from engine.outputs import RequestOutput
+from engine.resume import ResumeState
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,12 +45,13 @@ class SupervisedEngine:
     def is_healthy(self) -> bool:
         return not self.restarting and self.failed is None and self.handle.client.is_healthy
 
-    def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                 resume: ResumeState | None = None) -> AsyncIterator[RequestOutput]:
         """The current engine's stream itself (not a wrapper around it: closing it must abort the request
-        at once, not when a wrapper is collected)."""
+        at once, not when a wrapper is collected). `resume`: a request continued after an engine failed."""
         if self.restarting or self.failed is not None:
             raise EngineDeadError(self._unavailable_reason())
-        return self.handle.client.generate(prompt, params, request_id)
+        return self.handle.client.generate(prompt, params, request_id, resume)
 
     def abort(self, request_id: str) -> None:
         self.handle.client.abort(request_id)

@@ -1,5 +1,6 @@
 """Ray Serve application: each replica runs one engine instance (a Coordinator and its rank actors) behind
-the OpenAI-compatible FastAPI app, and answers Python handle calls from other Ray jobs.
+the OpenAI-compatible FastAPI app, and answers Python handle calls from other Ray jobs. A request whose
+engine fails continues on another replica or the restarted engine (deployments/replica_failover.py).
 
 `serve deploy`/`serve run` configs name the builder: `import_path: deployments.serve_app:build_app` with
 `args` as in `AppConfig` below (see deployments/configs/).
@@ -20,8 +21,13 @@ from engine.sampling_params import SamplingParams
 from atom_ray.serving import API_KEY_ENV, exposure_warning
 from deployments.openai.chat_output import check_parser_names
 from deployments.openai.guard import DEFAULT_MAX_REQUEST_BODY_BYTES
+from deployments.replica_router import ROUTER_CLASS
 
 logger = logging.getLogger(__name__)
+
+_ENGINE_STATE_KEYS = ("num_running", "num_waiting", "engine_restarts", "replica_resumed_requests",
+                      "replica_failed_resumes", "replica_resume_latency_s_sum", "replica_resume_latency_s_max",
+                      "peer_continuations")
 
 
 DEFAULT_DEPLOYMENT = {
@@ -32,6 +38,8 @@ DEFAULT_DEPLOYMENT = {
     # A replica's shutdown stops its engine in a few seconds; Serve need not wait its default 20 s.
     "graceful_shutdown_timeout_s": 5,
     "graceful_shutdown_wait_loop_s": 1,
+    # Serve's routing, except that a request continued after its engine failed goes to another replica.
+    "request_router_config": {"request_router_class": ROUTER_CLASS},
 }
 
 
@@ -56,6 +64,11 @@ class AppConfig(BaseModel):
     require_api_key: bool = False
     # Failed engine restarts in a row before the replica reports itself unhealthy (Serve then replaces it).
     max_engine_restarts: int = Field(default=5, ge=0)
+    # When the engine under a request fails, the request continues on another replica or, with none, on this
+    # replica's restarted engine, if one takes it within this many seconds; else it ends with an error. An
+    # engine start is the model load (minutes for the largest models): raise it where one replica serves
+    # them. 0: no failover, the request fails at once.
+    resume_timeout_s: float = Field(default=120.0, ge=0)
     # How /v1/chat/completions reads tool calls (tool_choice auto) and reasoning out of the model's text: vLLM's
     # parser names (hermes, qwen3_coder, deepseek_v3, kimi_k2, glm45, openai, ...; docs/AGENTIC.md), "auto" for
     # the model's own (from its config and chat template), "none" for plain text.
@@ -86,6 +99,7 @@ class OpenAIServer:
     def __init__(self, config: dict) -> None:
         import atom_ray
         from atom_ray.supervisor import SupervisedEngine
+        from deployments.replica_failover import ReplicaFailover
         self.config = AppConfig(**config)
         self.api_key = self.config.resolved_api_key()
         _warn_if_exposed_without_key(self.api_key)
@@ -95,10 +109,12 @@ class OpenAIServer:
                                    accelerator_type=self.config.accelerator_type,
                                    placement_timeout_s=self.config.placement_timeout_s, **self.config.engine_args),
             max_restarts=self.config.max_engine_restarts)
+        self._peers: tuple | None = None
+        self.failover = ReplicaFailover(self.engine, self.config.resume_timeout_s, self._peer_handle)
 
     def __serve_build_asgi_app__(self):
         from deployments.openai.app import build_openai_app
-        return build_openai_app(self.engine, self.config.name, self.config.max_pending_sequences, self.api_key,
+        return build_openai_app(self.failover, self.config.name, self.config.max_pending_sequences, self.api_key,
                                 self.config.max_request_body_bytes, tool_call_parser=self.config.tool_call_parser,
                                 reasoning_parser=self.config.reasoning_parser, model_config=self._model_config())
 
@@ -118,7 +134,7 @@ class OpenAIServer:
         """For handle calls: {"prompt": str | [ids]} or {"messages": [...]}, plus SamplingParams fields.
         Yields {"text", "token_ids", "finish_reason"} deltas."""
         prompt, params = self._parse(request)
-        async for output in self.engine.generate(prompt, params):
+        async for output in self.failover.generate(prompt, params):
             completion = output.outputs[0]
             yield {"text": completion.new_text, "token_ids": completion.new_token_ids,
                    "finish_reason": completion.finish_reason}
@@ -127,7 +143,7 @@ class OpenAIServer:
         """For handle calls: the whole completion at once."""
         prompt, params = self._parse(request)
         output = None
-        async for output in self.engine.generate(prompt, params):
+        async for output in self.failover.generate(prompt, params):
             pass
         return {"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
                 "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}}
@@ -135,6 +151,31 @@ class OpenAIServer:
     async def rank_process_ids(self) -> list[tuple[str, int]]:
         """For handle calls: (node address, pid) of each tensor-parallel rank of this replica's engine."""
         return await self.engine.handle.coordinator.rank_process_ids.remote()
+
+    async def engine_state(self) -> dict:
+        """For handle calls: this replica (its tag), whether its engine serves, its ranks' processes, its
+        running and waiting sequences, its engine restarts and its failover counters."""
+        stats = self.failover.stats()
+        pids = await self.rank_process_ids() if self.engine.is_healthy else []
+        return {"replica": serve.get_replica_context().replica_tag, "serving": self.engine.is_healthy,
+                "rank_process_ids": pids, **{key: stats.get(key) for key in _ENGINE_STATE_KEYS}}
+
+    async def resume_stream(self, request: dict, avoid_replica: str | None = None) -> AsyncIterator[list]:
+        """Called by another replica whose engine failed under a request (deployments/replica_failover.py;
+        the router reads `avoid_replica`): runs its continuation here, streaming output deltas back."""
+        stream = self.failover.resume_stream(request)
+        try:
+            async for deltas in stream:
+                yield deltas
+        finally:  # the caller gave up (or took the request elsewhere): the engine stops it at once
+            await stream.aclose()
+
+    def _peer_handle(self) -> tuple:
+        """(a handle to this deployment, this replica's tag): where failed requests are continued."""
+        if self._peers is None:
+            context = serve.get_replica_context()
+            self._peers = (serve.get_deployment_handle(context.deployment, context.app_name), context.replica_tag)
+        return self._peers
 
     def check_health(self) -> None:
         """Serve's check: a replica whose engine is restarting stays (it answers 503 meanwhile); one whose

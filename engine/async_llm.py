@@ -15,6 +15,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, drain_merged
+from engine.resume import ResumeState
 from engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
@@ -47,9 +48,11 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self._loop.is_healthy
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       resume: ResumeState | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (each cumulative, with the step's delta). Raises InvalidRequestError
-        before the first output if the request is refused. Leaving the loop early aborts the request."""
+        before the first output if the request is refused. Leaving the loop early aborts the request.
+        `resume`: the request continues one that failed elsewhere (engine/resume.py)."""
         if not self._finalizer.alive:
             raise EngineDeadError("this AsyncLLM was shut down; create a new one to generate")
         if self.error is not None:
@@ -59,7 +62,7 @@ class AsyncLLM:
         with self._lock:  # registered first: outputs may arrive before the add is confirmed
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         try:
-            await asyncio.wrap_future(self._loop.add(request_id, prompt, params))  # a refusal is raised here
+            await asyncio.wrap_future(self._loop.add(request_id, prompt, params, resume))  # a refusal is raised here
         except BaseException:
             # Refused, or the caller was cancelled: a request the engine took just before is stopped again.
             self.abort(request_id)

@@ -31,6 +31,8 @@ _ENGINE_GAUGES = (
      "Tokens a verify step emits on average: kept drafts + 1, since start (speculative decoding)."),
     ("resume_latency_seconds_max", "resume_latency_s_max",
      "The longest pause of a resumed request: a DP rank's failure to its next output, since start."),
+    ("replica_resume_latency_seconds_max", "replica_resume_latency_s_max",
+     "The longest pause of a request continued after its engine failed: the failure to its next output."),
 )
 _ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -48,6 +50,18 @@ _ENGINE_COUNTERS = (
     ("resume_latency_seconds", "resume_latency_s_sum",
      "Seconds from a DP rank's failure to each resumed request's next output, summed."),
     ("dp_rank_restarts", "dp_rank_restarts", "DP ranks started again after a failure."),
+    # Failover across Serve replicas (deployments/replica_failover.py), counted by the replica whose engine
+    # failed under the requests: those continued on another replica or the restarted engine (at their
+    # continuation's first output), those that could not be, and the pauses; and by the replica that ran
+    # them, the continuations it took over from others.
+    ("replica_resumed_requests", "replica_resumed_requests",
+     "Requests whose engine failed under them, continued on another replica or on the restarted engine."),
+    ("replica_failed_resumes", "replica_failed_resumes",
+     "Requests whose engine failed under them and that could not be continued (ended with an error)."),
+    ("replica_resume_latency_seconds", "replica_resume_latency_s_sum",
+     "Seconds from an engine's failure to each continued request's next output, summed."),
+    ("peer_continuations", "peer_continuations",
+     "Requests of other replicas whose engine failed, continued on this replica's engine."),
     # Speculative decoding (vLLM's names): verify rows, drafted tokens they ran, drafts they kept.
     ("spec_decode_num_drafts", "spec_verifies", "Request steps that verified drafts (speculative decoding)."),
     ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified (speculative decoding)."),

@@ -64,6 +64,17 @@ def test_a_request_that_cannot_resume_ends_its_unfinished_samples_with_an_error(
     assert [(c.index, c.finish_reason) for c in failure.completions] == [(1, "error")]
 
 
+def test_a_request_that_arrives_resumed_continues_from_what_was_delivered_before_it_came():
+    """A continuation from a Serve replica whose engine failed: if its DP rank fails too, the next
+    continuation carries the tokens delivered before it came and since; a sample it did not list had finished."""
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=10)
+    arrived = ResumeState((ResumedSample(0, (5, 6), 3), ResumedSample(2, (8,), 1)))
+    record = RequestRecord.new([1, 2, 3], params, arrived)
+    assert record.continuation() == ([1, 2, 3], params, arrived)  # failed before its first output here
+    record.record(delta({0: ([9], "d")}, first=True), now=1.0)
+    assert record.continuation()[2] == ResumeState((ResumedSample(0, (5, 6, 9), 4), ResumedSample(2, (8,), 1)))
+
+
 def test_the_router_moves_requests_off_a_failed_rank_and_routes_around_it():
     router = DPRouter(2, block_size=4)
     prefix = list(range(16))

@@ -105,8 +105,9 @@ def served(ray_cluster):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # Two sequences at a time and 64-token steps: a third request waits, and a long prompt prefills over many
-    # steps, so that clients can give up at every stage.
-    serve.run(build_app({"model": "smollm2-135m", "served_model_name": "smol",
+    # steps, so that clients can give up at every stage. Failover off: a killed engine fails its streams
+    # (test_replica_failover.py has them continue).
+    serve.run(build_app({"model": "smollm2-135m", "served_model_name": "smol", "resume_timeout_s": 0,
                          "engine_args": {"max_model_len": 2048, "max_num_seqs": 2, "max_num_batched_tokens": 64}}),
               name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
@@ -177,8 +178,8 @@ def test_clients_giving_up_at_any_stage_leave_nothing_behind_through_serves_prox
 
 
 def test_a_killed_engine_fails_its_streams_and_the_deployment_serves_again(served):
-    """The coordinator (rank 0, which runs the scheduler) is killed with two streams in flight: they end
-    with an error event; while the replica restarts its engine, new requests get a fast 503; then the
+    """The coordinator (rank 0, which runs the scheduler) is killed with two streams in flight: without
+    failover they end with an error event; while the replica restarts its engine, new requests get a fast 503; then the
     deployment serves again, with no person involved."""
     from ray import serve
     (_, coordinator_pid), = serve.get_app_handle(APP_NAME).rank_process_ids.remote().result()
