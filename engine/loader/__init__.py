@@ -70,7 +70,8 @@ def check_mtp_support(model_class, hf_config) -> None:
     from engine.config import ConfigError
     if not getattr(model_class, "supports_mtp", False):
         raise ConfigError(f"speculative_config.method 'mtp': MTP drafting is built for DeepSeek-V2/V3 (Kimi-K2), "
-                          f"GLM-4.5/4.6, Qwen3-Next and Qwen3.5 checkpoints only, not {model_class.__name__}")
+                          f"DeepSeek-V3.2, GLM-4.5/4.6, GLM-5, Qwen3-Next and Qwen3.5 checkpoints only, not "
+                          f"{model_class.__name__}")
     if not model_class.num_mtp_layers(hf_config):
         raise ConfigError("speculative_config.method 'mtp': this checkpoint has no multi-token-prediction layer "
                           "(its config's num_nextn_predict_layers / mtp_num_hidden_layers is 0 or missing)")

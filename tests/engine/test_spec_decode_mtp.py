@@ -2,93 +2,28 @@
 multi-token-prediction layer (model.layers.{num_hidden_layers}.*).
 
 The drafter really drafts: an MTP layer trained here for 300 CPU steps on the tiny target's own greedy
-continuations of 48 prompts (with transformers' DeepseekV3DecoderLayer as its block and the published forward:
-the embedding of token p + 1 and the target's last hidden state at p, each normed, concatenated (embedding
-first), projected, one decoder layer, shared_head.norm, the target's head) keeps most of its drafts when the
-engine runs it on those prompts. A random tiny target's continuations are too arbitrary for 48 examples to
-generalise from (measured: 0.005 on fresh prompts even with 512), so what this checks is the engine's wiring:
-which token, which hidden state and which position feed each draft, the drafter's own cache filled through
-prefill chunks and verify steps, and its chained steps. The same weights fed the neighbouring row's hidden
-state, or the token before the right one, keep almost nothing. With any weights the tokens are those of a
-run without speculation, and nothing leaks."""
+continuations of 48 prompts (tests/mtp_training.py: transformers' DeepseekV3DecoderLayer as its block and the
+published forward: the embedding of token p + 1 and the target's last hidden state at p, each normed,
+concatenated (embedding first), projected, one decoder layer, shared_head.norm, the target's head) keeps most
+of its drafts when the engine runs it on those prompts. A random tiny target's continuations are too arbitrary
+for 48 examples to generalise from (measured: 0.005 on fresh prompts even with 512), so what this checks is the
+engine's wiring: which token, which hidden state and which position feed each draft, the drafter's own cache
+filled through prefill chunks and verify steps, and its chained steps. The same weights fed the neighbouring
+row's hidden state, or the token before the right one, keep almost nothing. With any weights the tokens are
+those of a run without speculation, and nothing leaks."""
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 import tiny_models
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
-from engine.loader import dummy_checkpoint_layout
-from engine.loader.source import resolve_model
 from engine.models.deepseek_v2 import DeepseekV3ForCausalLM
+from mtp_training import train_mtp, training_prompts
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-PROMPT_LEN, CONTINUATION = 6, 40
-NUM_TRAIN = 48
-
-
-def mtp_names(config) -> list[tuple[str, tuple[int, ...]]]:
-    layout = dummy_checkpoint_layout(config)
-    return DeepseekV3ForCausalLM.mtp_checkpoint_layout(config, layout)[len(layout):]
-
-
-def target_sequences(folder, num: int, seed: int) -> torch.Tensor:
-    """`num` random prompts with the target's greedy continuations (our engine's; equal to transformers')."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, tiny_models.VOCAB_SIZE, (num, PROMPT_LEN), generator=generator).tolist()
-    llm = LLM(str(folder), dtype="float32", show_progress=False)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=CONTINUATION, ignore_eos=True))
-    llm.shutdown()
-    return torch.tensor([p + o.token_ids for p, o in zip(prompts, outputs)])
-
-
-def train_mtp(folder, steps: int = 300) -> dict[str, torch.Tensor]:
-    """The MTP layer's checkpoint tensors, trained to predict token p + 2 from (token p + 1, hidden p)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
-    config = target.config
-    index, hidden_size = config.num_hidden_layers, config.hidden_size
-    torch.manual_seed(0)
-    block = DeepseekV3DecoderLayer(config, index)
-    enorm, hnorm, head_norm = (DeepseekV3RMSNorm(hidden_size, config.rms_norm_eps) for _ in range(3))
-    eh_proj = torch.nn.Linear(2 * hidden_size, hidden_size, bias=False)
-    modules = torch.nn.ModuleDict({"block": block, "enorm": enorm, "hnorm": hnorm, "head_norm": head_norm,
-                                   "eh_proj": eh_proj})
-    with torch.no_grad():
-        block.load_state_dict({k[len(f"model.layers.{index - 1}."):]: v for k, v in target.state_dict().items()
-                               if k.startswith(f"model.layers.{index - 1}.")})
-        sequences = target_sequences(folder, NUM_TRAIN, seed=1)
-        hidden = target.model(sequences).last_hidden_state  # after the final norm, as the engine's forward
-        embeds = target.model.embed_tokens(sequences)
-    length = sequences.shape[1] - 2
-    positions = torch.arange(length).unsqueeze(0).expand(len(sequences), -1)
-    position_embeddings = target.model.rotary_emb(hidden, positions)
-    optimizer = torch.optim.Adam(modules.parameters(), lr=3e-3)
-    for _ in range(steps):
-        e = embeds[:, 1:length + 1].clone()
-        e[:, 0] = 0.0  # position 0's embedding is zeroed, as the engine does
-        x = eh_proj(torch.cat((enorm(e), hnorm(hidden[:, :length])), dim=-1))
-        x = block(x, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
-        x = x[0] if isinstance(x, tuple) else x
-        logits = target.lm_head(head_norm(x))
-        loss = torch.nn.functional.cross_entropy(logits[:, PROMPT_LEN - 1:].reshape(-1, logits.shape[-1]),
-                                                 sequences[:, PROMPT_LEN + 1:length + 2].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    prefix = f"model.layers.{index}."
-    tensors = {prefix + k: v.detach().clone().contiguous() for k, v in block.state_dict().items()}
-    tensors[prefix + "enorm.weight"] = enorm.weight.detach().clone()
-    tensors[prefix + "hnorm.weight"] = hnorm.weight.detach().clone()
-    tensors[prefix + "shared_head.norm.weight"] = head_norm.weight.detach().clone()
-    tensors[prefix + "eh_proj.weight"] = eh_proj.weight.detach().clone()
-    expected = {name for name, _ in mtp_names(config)}
-    assert set(tensors) == expected, set(tensors) ^ expected
-    return tensors
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +45,6 @@ def acceptance(folder, prompts, speculative_config=MTP, **engine_args) -> tuple[
     finally:
         llm.shutdown()
     return stats["spec_acceptance_rate"], [o.token_ids for o in outputs], stats
-
-
-def training_prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)  # target_sequences' draw for the training set
-    return torch.randint(3, tiny_models.VOCAB_SIZE, (NUM_TRAIN, PROMPT_LEN), generator=generator).tolist()[:12]
 
 
 def test_trained_mtp_layer_keeps_most_drafts_and_gives_the_tokens_without_speculation(trained):
