@@ -116,6 +116,20 @@ def assert_complete_and_undisturbed(outcomes, expected) -> None:
         assert len(output.prompt_token_ids) == len(PROMPTS[index])  # usage counts the original prompt
 
 
+def fault_on_dp_rank_1(engine, sig: int, expected) -> tuple[dict, int]:
+    """The 16 streams with DP rank 1's process (its only TP rank) killed or stopped half-way; every stream must
+    complete undisturbed. Returns the stats from before and the pid that was hit."""
+    before = engine.stats()
+    _, pid = engine.rank_process_ids()[1]
+    try:
+        outcomes = run_with_fault(engine, PROMPTS, PARAMS, signal_process(pid, sig))
+    finally:
+        if sig == signal.SIGSTOP:
+            resume_stopped(pid)
+    assert_complete_and_undisturbed(outcomes, expected)
+    return before, pid
+
+
 def assert_back_and_serving(engine, expected, failed_dp: int, old_pid: int) -> None:
     """The failed rank serves again (a new process), takes new requests, and every KV block is free."""
     stats = wait_until(engine, lambda s: all(r["serving"] for r in s["dp_ranks"]))
@@ -136,14 +150,7 @@ def assert_back_and_serving(engine, expected, failed_dp: int, old_pid: int) -> N
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_dense_streams_survive_a_failed_dp_rank_token_for_token(dense, sig):
     engine, expected = dense
-    before = engine.stats()
-    _, pid = engine.rank_process_ids()[1]  # DP rank 1 (its only TP rank)
-    try:
-        outcomes = run_with_fault(engine, PROMPTS, PARAMS, signal_process(pid, sig))
-    finally:
-        if sig == signal.SIGSTOP:
-            resume_stopped(pid)
-    assert_complete_and_undisturbed(outcomes, expected)
+    before, pid = fault_on_dp_rank_1(engine, sig, expected)
     stats = engine.stats()
     assert stats["resumed_requests"] > before["resumed_requests"]
     assert stats["failed_resumes"] == before["failed_resumes"]
@@ -238,14 +245,7 @@ def test_a_continuation_that_cannot_fit_ends_with_an_error_and_the_others_finish
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_moe_expert_parallel_streams_resume_on_a_restarted_ep_group(moe, sig):
     engine, expected = moe
-    before = engine.stats()
-    _, pid = engine.rank_process_ids()[1]
-    try:
-        outcomes = run_with_fault(engine, PROMPTS, PARAMS, signal_process(pid, sig))
-    finally:
-        if sig == signal.SIGSTOP:
-            resume_stopped(pid)
-    assert_complete_and_undisturbed(outcomes, expected)
+    before, pid = fault_on_dp_rank_1(engine, sig, expected)
     stats = engine.stats()
     # The EP group cannot step without a member: every live request resumed, both ranks started again.
     assert stats["resumed_requests"] - before["resumed_requests"] == NUM_STREAMS

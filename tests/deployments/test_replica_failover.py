@@ -70,11 +70,19 @@ class Stream(threading.Thread):
         return {index: (c["text"], c["tokens"], c["finish_reason"]) for index, c in sorted(self.choices.items())}
 
 
-def run_streams(base: str, indices, fault=None) -> list[Stream]:
-    """The requests at once; `fault()` once each has KILL_AFTER_TOKENS tokens (all still streaming)."""
+def run_streams(base: str, indices, fault=None, prepare=None) -> list[Stream]:
+    """The requests at once; `prepare()` once each has its first token (where the streams are can be looked up
+    then, while all of them have hundreds of tokens to go: under a loaded machine the lookup takes seconds),
+    `fault()` once each has KILL_AFTER_TOKENS tokens (all still streaming)."""
     streams = [Stream(base, body(index)) for index in indices]
     for stream in streams:
         stream.start()
+    if prepare is not None:
+        deadline = time.monotonic() + 120
+        while any(stream.tokens_so_far < 1 for stream in streams):
+            assert time.monotonic() < deadline, [stream.tokens_so_far for stream in streams]
+            time.sleep(0.01)
+        prepare()
     if fault is not None:
         deadline = time.monotonic() + 120
         while any(stream.tokens_so_far < KILL_AFTER_TOKENS for stream in streams):
@@ -156,6 +164,7 @@ def cluster(ray_cluster, tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port, str(folder)
+    serve.shutdown()  # Serve keeps the first start's port: the next module's serve.start must start it afresh
 
 
 @pytest.fixture(scope="module")
@@ -183,14 +192,13 @@ def test_streams_of_a_killed_engine_continue_on_the_other_replica(two_replicas):
     indices = range(len(PROMPTS))
     victim: dict = {}
 
-    def fault():
+    def find_victim():
         states = engine_states("two", 2)
         running = {tag: state for tag, state in states.items() if state["num_running"]}
         assert running, states
         victim.update(max(running.values(), key=lambda state: state["num_running"]))
-        kill_engine(victim)()
 
-    streams = run_streams(base, indices, fault)
+    streams = run_streams(base, indices, lambda: kill_engine(victim)(), prepare=find_victim)
     assert_undisturbed(streams, reference, indices)
     states = wait_all_serving("two", 2)
     killed, other = states[victim["replica"]], next(s for tag, s in states.items() if tag != victim["replica"])

@@ -114,6 +114,7 @@ def served(ray_cluster):
     wait_healthy(f"{base}/health")
     yield base
     serve.delete(APP_NAME)
+    serve.shutdown()  # Serve keeps the first start's port: the next module's serve.start must start it afresh
 
 
 @pytest.fixture(scope="module")
