@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.kernels.sampling import step_seed
+from engine.layers.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 
 
@@ -122,3 +124,26 @@ def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, in
                       prompt_rows,
                       group_tables=tables[1:], group_slot_mappings=slot_mappings[1:],
                       state_slots=[r.state_slot for r in order])
+
+
+def sampling_batch(requests: list[RunnerRequest], rows: list[int], eos_token_ids: frozenset[int],
+                   grammar=None) -> SamplingBatch:
+    """The sampler's inputs, one row per sampled position: a verify step's row j draws output position (outputs
+    so far + j) as a step without speculation would, its drafts before it counting as outputs (penalties,
+    min_tokens, the seed of that position: engine/spec_decode/verify.py). `grammar`: the step's StepGrammar."""
+    params, seeds, prompts, outputs, suppressed, row_ids = [], [], [], [], [], []
+    for request, num_rows in zip(requests, rows):
+        p = request.params
+        needs_history = p.has_penalties
+        prompt = request.token_ids[:request.num_prompt_tokens] if needs_history else []
+        history = request.token_ids[request.num_prompt_tokens:] if needs_history else []
+        for j in range(num_rows):
+            num_outputs = request.num_output_tokens + j  # pending tokens count: seeds match synchronous runs
+            params.append(p)
+            seeds.append(step_seed(p.seed or 0, num_outputs))
+            prompts.append(prompt)
+            outputs.append(history + request.spec_token_ids[:j] if needs_history else [])
+            suppressed.append(sorted(set(p.stop_token_ids) | eos_token_ids) if num_outputs < p.min_tokens else [])
+            row_ids.append(request.request_id)
+    bitmask = grammar.rows_for(row_ids) if grammar is not None else None
+    return SamplingBatch(params, seeds, prompts, outputs, suppressed, bitmask)

@@ -17,17 +17,16 @@ from engine.config import ConfigError, EngineConfig
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.forward_context import MoEStep, forward_context
 from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant
-from engine.kernels.sampling import step_seed
 from engine.kv_cache_spec import FULL_GROUP, CacheGroupMetadata, CacheLayout, PagedSpec, StateSpec
 from engine.layers.attention import Attention, KVCacheLayer
 from engine.layers.fused_moe import uncapturable_exchanges
-from engine.layers.sampler import Sampler, SamplingBatch, compute_logprobs
+from engine.layers.sampler import Sampler, compute_logprobs
 from engine.loader import ModelSource, build_model
 from engine.parallel import enable_fused_all_reduce_norm, get_parallel_state
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_step_tokens, uncapturable_layers
 from engine.runner.expert_load import expert_load_tracker
 from engine.runner.device import resolve_dtype, resolve_residual_dtype
-from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs
+from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs, sampling_batch
 from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
 from engine.runner.drafting import make_draft_runner
 from engine.runner.model_facts import format_op_table, model_facts
@@ -297,8 +296,8 @@ class ModelRunner:
             if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # else every row, in order
                 selected = hidden[self._to_device(np.asarray(rows))]
             logits = self.model.compute_logits(selected)
-            sampled, logprobs = self.sampler(logits, self._sampling_batch(host.sampling_requests, host.sampling_rows,
-                                                                          grammar))
+            batch = sampling_batch(host.sampling_requests, host.sampling_rows, self.eos_token_ids, grammar)
+            sampled, logprobs = self.sampler(logits, batch)
             self._last_sampled = sampled
             first = 0
             for request, rows in zip(host.sampling_requests, host.sampling_rows):
@@ -454,30 +453,6 @@ class ModelRunner:
             state_slots_cpu=list(state_slots),
         )
         return self.attn_backend.build_metadata(common, self.block_size)
-
-    def _sampling_batch(self, requests: list[RunnerRequest], rows: list[int], grammar=None) -> SamplingBatch:
-        """One row per sampled position: a verify step's row j draws output position (outputs so far + j) as
-        a step without speculation would, its drafts before it counting as outputs (penalties, min_tokens,
-        the seed of that position: engine/spec_decode/verify.py)."""
-        params, seeds, prompts, outputs, suppressed, row_ids = [], [], [], [], [], []
-        for request, num_rows in zip(requests, rows):
-            p = request.params
-            needs_history = p.has_penalties
-            prompt = request.token_ids[:request.num_prompt_tokens] if needs_history else []
-            history = request.token_ids[request.num_prompt_tokens:] if needs_history else []
-            for j in range(num_rows):
-                num_outputs = request.num_output_tokens + j  # pending tokens count: seeds match synchronous runs
-                params.append(p)
-                seeds.append(step_seed(p.seed or 0, num_outputs))
-                prompts.append(prompt)
-                outputs.append(history + request.spec_token_ids[:j] if needs_history else [])
-                if num_outputs < p.min_tokens:
-                    suppressed.append(sorted(set(p.stop_token_ids) | self.eos_token_ids))
-                else:
-                    suppressed.append([])
-                row_ids.append(request.request_id)
-        bitmask = grammar.rows_for(row_ids) if grammar is not None else None
-        return SamplingBatch(params, seeds, prompts, outputs, suppressed, bitmask)
 
     def release(self) -> None:
         """Let go of everything this runner holds on its device: the decode graphs, the caches (unbound from
