@@ -343,15 +343,12 @@ class LLMEngine:
         launched = None
         if scheduled is not None:
             grammar = scheduled.structured_output
-            if grammar is not None and grammar.waits_for_previous_step and self._in_flight is not None:
-                if self.executor.samples_after_forward:  # the forward pass runs while step N is collected
-                    pending = self.executor.execute_async(scheduled,
-                                                          before_sampling=lambda: outputs.extend(self._collect()))
-                else:  # the plan, masks filled, goes to the peers before the launch
-                    outputs += self._collect()
-                    pending = self.executor.execute_async(scheduled)
-            else:
-                pending = self.executor.execute_async(scheduled)
+            collect = grammar is not None and grammar.waits_for_previous_step and self._in_flight is not None
+            if collect and not self.executor.samples_after_forward:  # the plan goes to the peers with its masks
+                outputs += self._collect()
+                collect = False
+            pending = self.executor.execute_async(
+                scheduled, before_sampling=(lambda: outputs.extend(self._collect())) if collect else None)
             launched = None if scheduled.dummy else (scheduled, pending)
         if self._in_flight is not None:
             outputs += self._collect()

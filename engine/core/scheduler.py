@@ -186,8 +186,7 @@ class Scheduler:
                 continue
             drafts = drafts[:num_tokens - 1]
             num_old_blocks = [len(group.block_ids) for group in request.groups]
-            lookahead = (self._lookahead(request.num_computed_tokens + num_tokens) if self.config.lookahead_tokens
-                         else 0)
+            lookahead = self._lookahead(request.num_computed_tokens + num_tokens)
             while not self.block_manager.allocate(request, num_tokens + lookahead):
                 victim = next(r for r in reversed(self.running) if r.request_id not in out.num_scheduled_tokens)
                 self.running.remove(victim)
@@ -251,7 +250,8 @@ class Scheduler:
                 return
 
     def _lookahead(self, num_tokens_after_step: int) -> int:
-        return max(0, min(self.config.lookahead_tokens, self.config.max_model_len - num_tokens_after_step))
+        lookahead = self.config.lookahead_tokens
+        return max(0, min(lookahead, self.config.max_model_len - num_tokens_after_step)) if lookahead else 0
 
     def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
         """Append sampled tokens, apply token-level stop conditions, cache newly computed blocks.
