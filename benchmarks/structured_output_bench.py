@@ -30,13 +30,18 @@ BATCH = 64
 ROUNDS = 5
 
 
-def throughput(llm) -> dict:
+def json_workload() -> tuple[list[str], list]:
+    """BATCH prompts of the JSON-schema test cases (in turn) and their constrained sampling parameters."""
     from engine import SamplingParams
     json_cases = [c for c in CASES if c.kind == "json"]
     cases = [json_cases[i % len(json_cases)] for i in range(BATCH)]
-    prompts = [c.prompt for c in cases]
-    constrained = [SamplingParams(temperature=0, max_tokens=CASE_MAX_TOKENS, structured_outputs=c.structured_outputs)
-                   for c in cases]
+    return [c.prompt for c in cases], [SamplingParams(temperature=0, max_tokens=CASE_MAX_TOKENS,
+                                                      structured_outputs=c.structured_outputs) for c in cases]
+
+
+def throughput(llm) -> dict:
+    from engine import SamplingParams
+    prompts, constrained = json_workload()
     run_requests(llm.engine, prompts, constrained)  # warm-up: grammars cached, kernels warm
     rates = {"constrained": [], "unconstrained": []}
     lengths = None
@@ -60,11 +65,7 @@ def host_profile(llm, top: int = 25) -> dict:
     import io
     import pstats
     from engine import SamplingParams
-    json_cases = [c for c in CASES if c.kind == "json"]
-    cases = [json_cases[i % len(json_cases)] for i in range(BATCH)]
-    prompts = [c.prompt for c in cases]
-    constrained = [SamplingParams(temperature=0, max_tokens=CASE_MAX_TOKENS, structured_outputs=c.structured_outputs)
-                   for c in cases]
+    prompts, constrained = json_workload()
     outputs, _ = run_requests(llm.engine, prompts, constrained)  # warm-up
     free = [SamplingParams(temperature=0, max_tokens=len(o.token_ids), ignore_eos=True) for o in outputs]
     report = {}
