@@ -25,12 +25,17 @@ from pathlib import Path
 
 from benchmarks.common import environment_record, print_table
 
+EAGER_PROMPTS = {"cuda_graph_prompt_steps": False}  # the layouts as they ran before prompt-step graphs
 LAYOUTS = {
     "qwen3-30b-a3b": {"1 GPU": {}, "DP=2 + EP=2": {"data_parallel_size": 2, "enable_expert_parallel": True},
                       "TP=2 + EP": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
-                      "TP=2": {"tensor_parallel_size": 2}},
+                      "TP=2": {"tensor_parallel_size": 2},
+                      "1 GPU (eager prompt steps)": EAGER_PROMPTS,
+                      "TP=2 (eager prompt steps)": {"tensor_parallel_size": 2, **EAGER_PROMPTS}},
     "deepseek-v2-lite": {"1 GPU": {}, "DP=2 + EP=2": {"data_parallel_size": 2, "enable_expert_parallel": True}},
-    "llama-3.1-8b": {"1 GPU": {}, "TP=2": {"tensor_parallel_size": 2}},
+    "llama-3.1-8b": {"1 GPU": {}, "TP=2": {"tensor_parallel_size": 2},
+                     "1 GPU (eager prompt steps)": EAGER_PROMPTS,
+                     "TP=2 (eager prompt steps)": {"tensor_parallel_size": 2, **EAGER_PROMPTS}},
 }
 ENGINE_ARGS = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
                    max_num_batched_tokens=8192, device="cuda")
@@ -207,10 +212,13 @@ def check(args) -> dict:
     prompts = [[5, 6, 7], list(range(10, 40)), list(range(50, 67)), [100] * 9 + [200]] + \
               [list(range(300, 348)) + [i] for i in range(6)]  # a shared prefix: most go to one DP rank
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    layouts = {"1 GPU": {}, "TP=2 + EP": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    layouts = {"1 GPU": {}, "TP=2": {"tensor_parallel_size": 2},
+               "TP=2 + EP": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
                "DP=2 + EP=2": {"data_parallel_size": 2, "enable_expert_parallel": True},
-               "DP=2 + EP=2, all-to-all": {"data_parallel_size": 2, "enable_expert_parallel": True,
-                                           "expert_exchange": "all_to_all"}}
+               "DP=2 + EP=2 (all-to-all)": {"data_parallel_size": 2, "enable_expert_parallel": True,
+                                            "expert_exchange": "all_to_all"}}
+    if args.layouts:
+        layouts = {label: layouts[label] for label in args.layouts.split(",")}
     tokens, results = {}, {}
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
     try:
@@ -221,7 +229,7 @@ def check(args) -> dict:
                 tokens[label] = [o.token_ids for o in engine.generate(prompts, greedy)] + [alone]
             finally:
                 engine.shutdown()
-            same = sum(a == b for a, b in zip(tokens[label], tokens["1 GPU"]))
+            same = sum(a == b for a, b in zip(tokens[label], tokens[next(iter(layouts))]))
             results[label] = {"same_sequences": same, "sequences": len(tokens[label])}
             print(f"check {label}: {same}/{len(tokens[label])} sequences as one GPU's", flush=True)
     finally:

@@ -4,7 +4,8 @@
 # 25-45 s, a Qwen3-30B-A3B layout 90-110 s with the 512 requests (416 s for all four, 10:26), a DeepSeek-V2-Lite
 # or Llama-3.1-8B one-GPU layout ~60 s and a two-GPU one 76-99 s with 256 requests, the tiny-model check ~80 s
 # a layout, the serving step (an offline engine, then the Serve app: ready after ~170 s) over 230 s. Run it
-# as three device calls of under 10 minutes each: PART=1, PART=2, PART=3.
+# as three device calls of under 10 minutes each: PART=1, PART=2, PART=3; prompt-step graphs against
+# eager prompt steps: PART=prompt-check, PART=prompt-qwen3, PART=prompt-llama.
 # Needs Ray on PYTHONPATH (the README's offline bundle).
 set -u
 OUT=${OUT:-/tmp/multi_gpu_out}
@@ -19,6 +20,17 @@ elif [ "$PART" = 2 ]; then
   run deepseek 220 $M --models deepseek-v2-lite --num-requests 256 --out "$OUT/deepseek.json"
   run llama 200 $M --models llama-3.1-8b --num-requests 256 --out "$OUT/llama.json"
   run check 160 $M --check --out "$OUT/check.json"
+elif [ "$PART" = prompt-check ]; then  # prompt-step graphs: the GPU tests, the tiny-model check, one step's profile
+  nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+  run gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_gpu.py -k "graph"
+  run check 200 $M --check --layouts "1 GPU,TP=2,TP=2 + EP" --out "$OUT/check.json"
+  run prefill_graphs 100 python3 -m benchmarks.profile_prefill --out "$OUT/prefill_graphs.json"
+  run prefill_eager 100 python3 -m benchmarks.profile_prefill --eager-prompt-steps --out "$OUT/prefill_eager.json"
+elif [ "$PART" = prompt-qwen3 ]; then  # each layout with prompt-step graphs and without
+  run qwen3 560 $M --models qwen3-30b-a3b --out "$OUT/qwen3.json" \
+      --layouts "1 GPU,TP=2,TP=2 + EP,1 GPU (eager prompt steps),TP=2 (eager prompt steps)"
+elif [ "$PART" = prompt-llama ]; then
+  run llama 400 $M --models llama-3.1-8b --num-requests 256 --out "$OUT/llama.json"
 else
   run serving 560 python3 -m benchmarks.serving --model benchmarks/configs/qwen3-30b-a3b --levels 64 \
       --engine-args '{"data_parallel_size": 2, "enable_expert_parallel": true}' --out "$OUT/serving_dp2.json"

@@ -1,9 +1,10 @@
-"""Where an eager step with prompt tokens spends its time on one GPU: the host's launch of the step against the
+"""Where a step with prompt tokens spends its time on one GPU: the host's launch of the step against the
 device's work, the host functions that take the launch time (cProfile), and from a CPU + CUDA trace the
 kernel launches per step, the host time spent in launch and synchronising calls, and the device's busy time.
 Issue 26's offline runs showed such steps taking ~100 ms of device time per step with the host's launch as
 long as the step, which TP=2 did not shorten: this says whether the host (Python, launch calls) or the GPU
-(kernels) bounds them.
+(kernels) bounds them. Such steps replay piecewise graphs now (engine/runner/prompt_graphs.py);
+`--eager-prompt-steps` measures them as they were.
 
     python -m benchmarks.profile_prefill [--model benchmarks/configs/qwen3-30b-a3b] [--tokens 8192] [--out p.json]
 """
@@ -66,11 +67,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="max_num_batched_tokens: prompt tokens per step")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--eager-prompt-steps", action="store_true",
+                        help="run the steps eagerly (cuda_graph_prompt_steps=False), as before prompt-step graphs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from engine import LLM
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=args.tokens, enable_prefix_caching=False, show_progress=False)
+              max_num_batched_tokens=args.tokens, enable_prefix_caching=False, show_progress=False,
+              cuda_graph_prompt_steps=not args.eager_prompt_steps)
     engine = llm.engine
     engine._run_ahead = False  # one step at a time: the launch and the device time of each step apart
     per_step = args.tokens // args.prompt_len
@@ -116,6 +120,7 @@ def main() -> None:
     launches = sum(calls[name][0] for name in LAUNCH_CALLS) / steps
     result = {
         "environment": environment_record(), "model": args.model, "tokens_per_step": args.tokens,
+        "prompt_step_graphs": llm.engine.executor.runner.prompt_graphs is not None,
         "timed": timing,
         "launches_per_step": launches,
         "runtime_calls_per_step": {name: {"count": c / steps, "ms": ms / steps} for name, (c, ms) in calls.items()},
@@ -125,7 +130,8 @@ def main() -> None:
         "host_functions": host_functions,
     }
     median = sorted(timing["host_launch_ms"])[len(timing["host_launch_ms"]) // 2]
-    print(f"{args.model}: {args.tokens} prompt tokens a step, eager: host launch {median:.1f} ms (median), device "
+    mode = "prompt-step graphs" if result["prompt_step_graphs"] else "eager"
+    print(f"{args.model}: {args.tokens} prompt tokens a step, {mode}: host launch {median:.1f} ms (median), device "
           f"{sorted(timing['device_ms'])[steps // 2]:.1f} ms; kernels {result['kernel_ms_per_step']:.1f} ms a step "
           f"in {sum(k[0] for k in kernels.values()) / steps:.0f} kernels, {launches:.0f} launch calls")
     print_table(["runtime call", "per step", "ms per step"],

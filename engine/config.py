@@ -60,6 +60,9 @@ class EngineConfig:
     kernel_backend: str = "auto"
     device: str = "auto"
     enforce_eager: bool = False
+    # Steps with prompt tokens replayed from piecewise CUDA graphs (engine/runner/prompt_graphs.py) where the
+    # model's attention layers allow it; decode-only steps have their own graphs either way.
+    cuda_graph_prompt_steps: bool = True
     # Row-parallel partial products summed across ranks in float32 and rounded once, as one GPU's GEMM
     # rounds its sum, or in the activations' dtype ("model": half the bytes, one more rounding per rank).
     # "auto": float32 on GPUs (their BLAS writes float32 directly), the model's dtype on CPU.
@@ -123,7 +126,8 @@ class EngineConfig:
         self._check(isinstance(self.step_timeout_s, (int, float)) and not isinstance(self.step_timeout_s, bool)
                     and 0 <= self.step_timeout_s < float("inf"), "step_timeout_s",
                     "must be a number of seconds >= 0 (0 turns the watchdog off)")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_expert_parallel"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "cuda_graph_prompt_steps",
+                     "enable_expert_parallel"):
             self._check(isinstance(getattr(self, name), bool), name, "must be true or false")
         self._check(isinstance(self.hf_overrides, dict), "hf_overrides", "must be a mapping")
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None

@@ -31,6 +31,9 @@ class ForwardContext:
     # Speculative decoding: the sequences (indices in the metadata) that verify drafts in this pass. Layers
     # with per-request state keep what they need to move it back to after the drafts the step keeps.
     verify_seqs: tuple[int, ...] = ()
+    # While prompt-step graphs are captured: where attention layers end one graph and start the next
+    # (engine/runner/prompt_graphs.py); None otherwise.
+    pieces: object | None = None
 
 
 _context: ForwardContext | None = None

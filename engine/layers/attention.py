@@ -92,6 +92,8 @@ class Attention(KVCacheLayer):
         """rope: (positions, cos_sin_cache, is_neox) to rotate queries and keys first (see
         RotaryEmbedding.rope_args); the backend may fuse the rotation into its KV-cache write."""
         context = get_forward_context()
+        if context.pieces is not None:  # capturing prompt-step graphs: this call runs eagerly between two
+            return context.pieces.split(self, query, key, value, rope)
         metadata = context.attn_metadata
         if metadata is None:  # a lockstep dummy step: nothing to attend to, nothing to cache
             return query.new_zeros(query.shape[0], self.num_heads * self.head_size)

@@ -31,6 +31,7 @@ from engine.runner.kv_cache import CachePools, kv_cache_budget_bytes
 from engine.runner.drafting import make_draft_runner
 from engine.runner.model_facts import format_op_table, model_facts
 from engine.runner.pending_output import PendingOutput
+from engine.runner.prompt_graphs import PromptGraphs, capture_prompt_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class ModelRunner:
         self.state_tensors: list[torch.Tensor] = []
         self._group_keys = self.cache_group_keys() or [FULL_GROUP]
         self.graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
         # The token counts MoE exchanges pad steps to (those of the decode graphs, captured or not: the same
         # on every rank of the EP group, which share one configuration).
         self.step_buckets = capture_sizes(config.max_num_seqs)
@@ -235,6 +237,10 @@ class ModelRunner:
             except RuntimeError as exc:  # e.g. a collective library that cannot be captured
                 logger.warning("decode graph capture failed, running eagerly: %s", exc)
                 torch.cuda.synchronize(self.device)
+        if self.graphs is not None and self.config.cuda_graph_prompt_steps:
+            self.prompt_graphs = capture_prompt_graphs(self.model, self.cache_layers, self.block_size,
+                                                       self.config.max_num_batched_tokens or 8192, self.dtype,
+                                                       state.dp_size)
         if self.expert_load is not None:
             self.expert_load.reset()
         return layout
@@ -373,9 +379,12 @@ class ModelRunner:
                                             host.num_computed, [host.block_table, *host.group_tables],
                                             [host.slot_mapping, *host.group_slot_mappings], host.state_slots,
                                             self._group_keys)
-        moe = MoEStep(padded_step_tokens(self._step_tokens(scheduled), self.step_buckets))
         verify = (tuple(index for index, request in enumerate(host.requests) if request.spec_token_ids)
                   if scheduled.spec_token_ids else ())
+        bucket = self.prompt_graphs.bucket(self._step_tokens(scheduled)) if self.prompt_graphs else None
+        if bucket is not None and not scheduled.ep_eager:
+            return self.prompt_graphs.run(input_ids, positions, metadata, bucket, verify)
+        moe = MoEStep(padded_step_tokens(self._step_tokens(scheduled), self.step_buckets))
         with forward_context(metadata, self.block_size, moe, verify):
             return self.model(input_ids, positions)
 
@@ -466,6 +475,9 @@ class ModelRunner:
             self.graphs.outputs.clear()  # in the graphs' memory pool, which goes with the last graph
             self.graphs.graphs.clear()
             self.graphs = None
+        if self.prompt_graphs is not None:
+            self.prompt_graphs.release()
+            self.prompt_graphs = None
         for layer in self.cache_layers:
             layer.bind_caches({})
             layer.kv_quant = None

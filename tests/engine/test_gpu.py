@@ -85,6 +85,27 @@ def test_graph_replay_gives_the_eager_tokens(arch, table_copy, tiny_model_dirs, 
         [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2"])
+def test_prompt_step_graphs_give_the_eager_tokens(arch, tiny_model_dirs):
+    """Prompts of many lengths chunked under a small step budget (every bucket from 64 up), a prefix-cache
+    hit and mixed prefill + decode steps, replayed from prompt-step graphs, against the same engine running
+    those steps eagerly (decode graphs on in both)."""
+    folder = str(tiny_model_dirs[arch])
+    args = dict(dtype="float32", kernel_backend="triton", max_num_batched_tokens=512, show_progress=False)
+    graphs = LLM(folder, **args)
+    runner = graphs.engine.executor.runner
+    assert runner.prompt_graphs is not None and runner.prompt_graphs.sizes == [64, 128, 256, 512]
+    eager = LLM(folder, cuda_graph_prompt_steps=False, **args)
+    assert eager.engine.executor.runner.prompt_graphs is None
+    prompts = PROMPTS + [[(7 * i) % 380 + 3 for i in range(n)] for n in (33, 64, 65, 300, 450)]
+    prompts.append(prompts[-1][:200] + [5, 6, 7])  # its first blocks cached by the prompt before
+    expected = [o.token_ids for o in eager.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in graphs.generate(prompts, GREEDY)] == expected
+    assert runner.prompt_graphs.num_replays > 0
+    stats = graphs.engine.stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
 WINDOW_MODELS = {  # untied embeddings: a tiny Gemma 4 with tied ones repeats one token, whatever its attention does
     "gpt-oss": tiny_models.make_tiny_gpt_oss,
     "gemma4": lambda folder: tiny_models.make_tiny_gemma4(folder, tie_word_embeddings=False),
