@@ -16,7 +16,9 @@ many rows are real (`MoEStep.valid_tokens`), so padding reaches no expert; calle
 
 Memory: the tensors an attention call reads (q, k, v, the rope positions) live in the graph before it. They
 are kept as non-owning views, so the next graph's capture may reuse their memory: at replay that graph runs
-only after the attention call has read them (one stream). Every layer writes into one shared output buffer.
+only after the attention call has read them (one stream). Every layer writes into one shared output buffer,
+and each chain's output (the hidden states) is a non-owning view too, read before any other replay: all the
+chains together hold about the largest one's activations.
 """
 from __future__ import annotations
 
@@ -30,15 +32,18 @@ from engine.layers.attention import Attention
 
 logger = logging.getLogger(__name__)
 
-# Token buckets of prompt steps: fine where padding would cost a large share of a small step, coarse above.
-_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
+# Token buckets of prompt steps: every 64 tokens up to 512, every 256 above, so that padding costs at most
+# a few per cent of a large step (whose dense GEMMs compute every padded row).
+_FINE_UP_TO, _FINE_STEP, _COARSE_STEP = 512, 64, 256
 
 
 def prompt_buckets(max_num_batched_tokens: int) -> list[int]:
-    """The token counts prompt steps pad to: the table's up to the step budget, and the budget itself
-    (rounded up to a multiple of 64, the largest step an expert-parallel exchange is sized for)."""
+    """The token counts prompt steps pad to, up to the step budget rounded up to a multiple of 64 (the
+    largest step an expert-parallel exchange is sized for)."""
     top = -(-max_num_batched_tokens // 64) * 64
-    return sorted({size for size in _BUCKETS if size < top} | {top})
+    sizes = list(range(_FINE_STEP, _FINE_UP_TO + 1, _FINE_STEP)) + list(
+        range(_FINE_UP_TO + _COARSE_STEP, top + 1, _COARSE_STEP))
+    return sorted({size for size in sizes if size < top} | {top})
 
 
 def non_owning(tensor: torch.Tensor) -> torch.Tensor:
@@ -157,7 +162,9 @@ class PromptGraphs:
                 recorder.abort()
                 raise
             torch.cuda.current_stream().wait_stream(stream)
-            recorder.pieces.output = output
+            # Not kept allocated: a step reads it before the next replay, and the smaller chains reuse it.
+            recorder.pieces.output = non_owning(output)
+            del output
             self.chains[size] = recorder.pieces
         torch.cuda.synchronize()
         logger.info("captured prompt-step graphs for token buckets %s (%d graphs each)", self.sizes,

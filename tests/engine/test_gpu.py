@@ -94,7 +94,7 @@ def test_prompt_step_graphs_give_the_eager_tokens(arch, tiny_model_dirs):
     args = dict(dtype="float32", kernel_backend="triton", max_num_batched_tokens=512, show_progress=False)
     graphs = LLM(folder, **args)
     runner = graphs.engine.executor.runner
-    assert runner.prompt_graphs is not None and runner.prompt_graphs.sizes == [64, 128, 256, 512]
+    assert runner.prompt_graphs is not None and runner.prompt_graphs.sizes == [64, 128, 192, 256, 320, 384, 448, 512]
     eager = LLM(folder, cuda_graph_prompt_steps=False, **args)
     assert eager.engine.executor.runner.prompt_graphs is None
     prompts = PROMPTS + [[(7 * i) % 380 + 3 for i in range(n)] for n in (33, 64, 65, 300, 450)]
