@@ -25,7 +25,8 @@ from pathlib import Path
 
 from benchmarks.common import environment_record, print_table
 
-EAGER_PROMPTS = {"cuda_graph_prompt_steps": False}  # the layouts as they ran before prompt-step graphs
+# Prompt-step graphs ("auto": on for MoE models, off for dense ones) against the other choice.
+EAGER_PROMPTS, PROMPT_GRAPHS = {"cuda_graph_prompt_steps": "off"}, {"cuda_graph_prompt_steps": "on"}
 LAYOUTS = {
     "qwen3-30b-a3b": {"1 GPU": {}, "DP=2 + EP=2": {"data_parallel_size": 2, "enable_expert_parallel": True},
                       "TP=2 + EP": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
@@ -34,8 +35,8 @@ LAYOUTS = {
                       "TP=2 (eager prompt steps)": {"tensor_parallel_size": 2, **EAGER_PROMPTS}},
     "deepseek-v2-lite": {"1 GPU": {}, "DP=2 + EP=2": {"data_parallel_size": 2, "enable_expert_parallel": True}},
     "llama-3.1-8b": {"1 GPU": {}, "TP=2": {"tensor_parallel_size": 2},
-                     "1 GPU (eager prompt steps)": EAGER_PROMPTS,
-                     "TP=2 (eager prompt steps)": {"tensor_parallel_size": 2, **EAGER_PROMPTS}},
+                     "1 GPU (prompt-step graphs)": PROMPT_GRAPHS,
+                     "TP=2 (prompt-step graphs)": {"tensor_parallel_size": 2, **PROMPT_GRAPHS}},
 }
 ENGINE_ARGS = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
                    max_num_batched_tokens=8192, device="cuda")

@@ -25,7 +25,7 @@ elif [ "$PART" = prompt-check ]; then  # prompt-step graphs: the GPU tests, the 
   run gpu_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_gpu.py -k "graph"
   run check 200 $M --check --layouts "1 GPU,TP=2,TP=2 + EP" --out "$OUT/check.json"
   run prefill_graphs 100 python3 -m benchmarks.profile_prefill --out "$OUT/prefill_graphs.json"
-  run prefill_eager 100 python3 -m benchmarks.profile_prefill --eager-prompt-steps --out "$OUT/prefill_eager.json"
+  run prefill_eager 100 python3 -m benchmarks.profile_prefill --prompt-graphs off --out "$OUT/prefill_eager.json"
 elif [ "$PART" = prompt-qwen3 ]; then  # each layout with prompt-step graphs and without
   run qwen3 560 $M --models qwen3-30b-a3b --out "$OUT/qwen3.json" \
       --layouts "1 GPU,TP=2,TP=2 + EP,1 GPU (eager prompt steps),TP=2 (eager prompt steps)"

@@ -4,7 +4,7 @@ kernel launches per step, the host time spent in launch and synchronising calls,
 Issue 26's offline runs showed such steps taking ~100 ms of device time per step with the host's launch as
 long as the step, which TP=2 did not shorten: this says whether the host (Python, launch calls) or the GPU
 (kernels) bounds them. Such steps replay piecewise graphs now (engine/runner/prompt_graphs.py);
-`--eager-prompt-steps` measures them as they were.
+`--prompt-graphs off` measures them as they were.
 
     python -m benchmarks.profile_prefill [--model benchmarks/configs/qwen3-30b-a3b] [--tokens 8192] [--out p.json]
 """
@@ -67,14 +67,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="max_num_batched_tokens: prompt tokens per step")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--eager-prompt-steps", action="store_true",
-                        help="run the steps eagerly (cuda_graph_prompt_steps=False), as before prompt-step graphs")
+    parser.add_argument("--prompt-graphs", choices=("auto", "on", "off"), default="on",
+                        help="cuda_graph_prompt_steps: 'off' runs the steps eagerly, as before prompt-step graphs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from engine import LLM
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
               max_num_batched_tokens=args.tokens, enable_prefix_caching=False, show_progress=False,
-              cuda_graph_prompt_steps=not args.eager_prompt_steps)
+              cuda_graph_prompt_steps=args.prompt_graphs)
     engine = llm.engine
     engine._run_ahead = False  # one step at a time: the launch and the device time of each step apart
     per_step = args.tokens // args.prompt_len

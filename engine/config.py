@@ -61,8 +61,10 @@ class EngineConfig:
     device: str = "auto"
     enforce_eager: bool = False
     # Steps with prompt tokens replayed from piecewise CUDA graphs (engine/runner/prompt_graphs.py) where the
-    # model's attention layers allow it; decode-only steps have their own graphs either way.
-    cuda_graph_prompt_steps: bool = True
+    # model's attention layers allow it: "on", "off", or "auto" (on for mixture-of-experts models, whose
+    # prompt steps are bound by their kernel launches; off for dense ones, where they were measured slower
+    # offline: docs/BENCHMARKS.md). Decode-only steps have their own graphs either way.
+    cuda_graph_prompt_steps: str = "auto"
     # Row-parallel partial products summed across ranks in float32 and rounded once, as one GPU's GEMM
     # rounds its sum, or in the activations' dtype ("model": half the bytes, one more rounding per rank).
     # "auto": float32 on GPUs (their BLAS writes float32 directly), the model's dtype on CPU.
@@ -126,9 +128,10 @@ class EngineConfig:
         self._check(isinstance(self.step_timeout_s, (int, float)) and not isinstance(self.step_timeout_s, bool)
                     and 0 <= self.step_timeout_s < float("inf"), "step_timeout_s",
                     "must be a number of seconds >= 0 (0 turns the watchdog off)")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "cuda_graph_prompt_steps",
-                     "enable_expert_parallel"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_expert_parallel"):
             self._check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        self._check(self.cuda_graph_prompt_steps in ("auto", "on", "off"), "cuda_graph_prompt_steps",
+                    "must be 'auto', 'on' or 'off'")
         self._check(isinstance(self.hf_overrides, dict), "hf_overrides", "must be a mapping")
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len):

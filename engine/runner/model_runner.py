@@ -237,10 +237,10 @@ class ModelRunner:
             except RuntimeError as exc:  # e.g. a collective library that cannot be captured
                 logger.warning("decode graph capture failed, running eagerly: %s", exc)
                 torch.cuda.synchronize(self.device)
-        if self.graphs is not None and self.config.cuda_graph_prompt_steps:
+        if self.graphs is not None and self.config.cuda_graph_prompt_steps != "off":
             self.prompt_graphs = capture_prompt_graphs(self.model, self.cache_layers, self.block_size,
                                                        self.config.max_num_batched_tokens or 8192, self.dtype,
-                                                       state.dp_size)
+                                                       state.dp_size, self.config.cuda_graph_prompt_steps)
         if self.expert_load is not None:
             self.expert_load.reset()
         return layout

@@ -29,6 +29,7 @@ import torch
 
 from engine.forward_context import MoEStep, forward_context
 from engine.layers.attention import Attention
+from engine.layers.fused_moe import FusedMoE
 
 logger = logging.getLogger(__name__)
 
@@ -192,14 +193,18 @@ class PromptGraphs:
 
 
 def capture_prompt_graphs(model, cache_layers, block_size: int, max_num_batched_tokens: int, dtype: torch.dtype,
-                          dp_size: int) -> PromptGraphs | None:
+                          dp_size: int, mode: str = "auto") -> PromptGraphs | None:
     """The chains for a model whose cache layers are all `Attention` (the layers that split them), in an
     engine of one DP rank (a lockstep DP engine's idle ranks would need the same chains for their dummy
-    steps); None, with the reason logged, where steps with prompt tokens stay eager."""
+    steps); with `mode` "auto", for mixture-of-experts models only. None, with the reason logged, where
+    steps with prompt tokens stay eager."""
     others = sorted({type(m).__name__ for m in cache_layers if not isinstance(m, Attention)})
-    if others or dp_size > 1:
-        logger.info("steps with prompt tokens run eagerly: %s", f"{', '.join(others)} layers do not split "
-                    "prompt-step graphs" if others else "data-parallel lockstep")
+    dense = mode == "auto" and not any(isinstance(m, FusedMoE) for m in model.modules())
+    if others or dp_size > 1 or dense:
+        reason = (f"{', '.join(others)} layers do not split prompt-step graphs" if others
+                  else "data-parallel lockstep" if dp_size > 1
+                  else "a dense model (cuda_graph_prompt_steps='auto' turns them on for MoE models)")
+        logger.info("steps with prompt tokens run eagerly: %s", reason)
         return None
     graphs = PromptGraphs(model, cache_layers, block_size, max_num_batched_tokens, dtype)
     try:

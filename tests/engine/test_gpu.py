@@ -69,7 +69,7 @@ def test_triton_backend_in_bf16_is_as_close_to_fp32_as_transformers_in_bf16(arch
 
 
 @pytest.mark.parametrize("table_copy", ["whole rows", "used columns"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_graph_replay_gives_the_eager_tokens(arch, table_copy, tiny_model_dirs, monkeypatch):
     """Also with the block table sent as its used columns and placed on the device (a long max_model_len's
     way) instead of as whole rows."""
@@ -92,10 +92,10 @@ def test_prompt_step_graphs_give_the_eager_tokens(arch, tiny_model_dirs):
     those steps eagerly (decode graphs on in both)."""
     folder = str(tiny_model_dirs[arch])
     args = dict(dtype="float32", kernel_backend="triton", max_num_batched_tokens=512, show_progress=False)
-    graphs = LLM(folder, **args)
+    graphs = LLM(folder, cuda_graph_prompt_steps="on", **args)
     runner = graphs.engine.executor.runner
     assert runner.prompt_graphs is not None and runner.prompt_graphs.sizes == [64, 128, 192, 256, 320, 384, 448, 512]
-    eager = LLM(folder, cuda_graph_prompt_steps=False, **args)
+    eager = LLM(folder, cuda_graph_prompt_steps="off", **args)
     assert eager.engine.executor.runner.prompt_graphs is None
     prompts = PROMPTS + [[(7 * i) % 380 + 3 for i in range(n)] for n in (33, 64, 65, 300, 450)]
     prompts.append(prompts[-1][:200] + [5, 6, 7])  # its first blocks cached by the prompt before

@@ -29,7 +29,9 @@ def test_a_non_owning_view_reads_the_same_elements_with_the_same_layout():
     assert weak[1, 1].item() == -1.0
 
 
-def test_the_switch_is_a_boolean():
-    assert EngineConfig(model="m", cuda_graph_prompt_steps=False).cuda_graph_prompt_steps is False
-    with pytest.raises(ConfigError, match="cuda_graph_prompt_steps"):
-        EngineConfig(model="m", cuda_graph_prompt_steps="no")
+def test_the_switch_takes_auto_on_or_off():
+    assert EngineConfig(model="m").cuda_graph_prompt_steps == "auto"
+    assert EngineConfig(model="m", cuda_graph_prompt_steps="off").cuda_graph_prompt_steps == "off"
+    for wrong in ("no", False, None):
+        with pytest.raises(ConfigError, match="cuda_graph_prompt_steps"):
+            EngineConfig(model="m", cuda_graph_prompt_steps=wrong)
