@@ -64,6 +64,9 @@ class DPCoordinator(ClientOutboxes):
     SHUTDOWN_TIMEOUT_S = 45.0
     RESTART_ATTEMPTS = 3  # failed starts of a rank in a row before the whole engine is declared dead
     RESTART_BACKOFF_S = 2.0
+    # A failed rank starts again once the requests it held have their next token on the survivors (or after
+    # this long): its model load and profiling would otherwise take the CPU those re-prefills need.
+    RESTART_DEFER_S = 10.0
 
     def __init__(self, config: EngineConfig, group, options: PlacementOptions) -> None:
         logging.basicConfig(level=logging.INFO)
@@ -306,7 +309,7 @@ class DPCoordinator(ClientOutboxes):
         moved = [request_id for rank in failed for request_id in self._fence(rank)]
         for request_id in moved:
             self._spawn(self._resume(request_id, dp, detected))
-        self._spawn(self._restart(failed, exc))
+        self._spawn(self._restart(failed, exc, moved if any(self.serving) else []))
 
     def _fence(self, dp: int) -> list[str]:
         """Stop routing to `dp`, drop what its current incarnation still says, kill its actor (its TP peers,
@@ -350,9 +353,10 @@ class DPCoordinator(ClientOutboxes):
             self._hand_to_owner(record.failure(
                 request_id, f"the request could not be resumed after DP rank {failed_dp} failed: {exc}"))
 
-    async def _restart(self, dps: list[int], cause: BaseException) -> None:
-        """Start the fenced ranks `dps` again (with backoff); after RESTART_ATTEMPTS failed starts in a row the
-        engine is dead."""
+    async def _restart(self, dps: list[int], cause: BaseException, moved: list[str] = ()) -> None:
+        """Start the fenced ranks `dps` again (with backoff), once the `moved` requests have resumed on the
+        survivors; after RESTART_ATTEMPTS failed starts in a row the engine is dead."""
+        await self._resumed(moved, self.RESTART_DEFER_S)
         backoff = self.RESTART_BACKOFF_S
         for attempt in range(1, self.RESTART_ATTEMPTS + 1):
             try:
@@ -371,6 +375,16 @@ class DPCoordinator(ClientOutboxes):
         self._error = EngineDeadError(f"DP rank(s) {dps} could not be started again: {cause!r}")
         self._any_serving.set()  # requests waiting for a rank learn it
         self._wake_all_clients()
+
+    async def _resumed(self, request_ids: list[str], timeout_s: float) -> None:
+        """Wait until none of `request_ids` still waits for its first token after a resume (each either has it,
+        finished, failed or was aborted), at most `timeout_s`, and only while some rank serves them."""
+        deadline = time.monotonic() + timeout_s
+        await asyncio.sleep(0)  # the resumes spawned before this mark their records first
+        while time.monotonic() < deadline and any(self.serving) and any(
+                (record := self.journal.get(request_id)) is not None and record.resumed_at is not None
+                for request_id in request_ids):
+            await asyncio.sleep(0.05)
 
     async def _start_ranks(self, dps: list[int]) -> list[dict]:
         """Start DP ranks `dps` on their bundles (under expert parallelism: every rank, one new EP group),
