@@ -10,6 +10,9 @@ admitted (again after a preemption), so a first prefill chunk starts from zero a
 Heads split across TP ranks in whole key-head groups (a key head with its value heads); the convolution's
 channels, A_log and dt_bias follow their heads, the out-projection is row-parallel.
 
+Quantized checkpoints: the in-projections load dequantized to the model's dtype (FP8 per tensor, per channel
+or in blocks, MXFP4: engine/layers/dequantized_weight.py); the out-projection is a quantized linear layer.
+
 Checkpoint layouts: Qwen3-Next fuses `in_proj_qkvz` and `in_proj_ba` interleaved per key-head group ([q k v z]
 and [b a] of each group); Qwen3.5 has them apart and contiguous (`in_proj_qkv` [q | k | v], `in_proj_z`,
 `in_proj_b`, `in_proj_a`), loaded through the shard ids "qkv", "z", "b", "a". Both end up in this layer's
@@ -24,6 +27,7 @@ from engine.forward_context import get_forward_context
 from engine.kernels import ops
 from engine.kv_cache_spec import StateSpec
 from engine.layers.attention import KVCacheLayer
+from engine.layers.dequantized_weight import DequantizingWeight, is_quantized
 from engine.layers.layernorm import RMSNormGated
 from engine.layers.linear import RowParallelLinear, shard_range
 from engine.parallel import get_parallel_state
@@ -54,16 +58,16 @@ class GatedDeltaNet(KVCacheLayer):
         key_local, value_local = self.nk_local * self.dk, self.nv_local * self.dv
         self.split = [key_local, key_local, value_local, value_local]  # q, k, v, z
         self.conv_channels = 2 * key_local + value_local
-        self.in_proj_qkvz = _Weight(sum(self.split), hidden)
-        self.in_proj_ba = _Weight(2 * self.nv_local, hidden)
+        # From a quantized checkpoint they load dequantized (its kernels compute in the model's dtype).
+        self.in_proj_qkvz = DequantizingWeight(sum(self.split), hidden, self._load_qkvz)
+        self.in_proj_ba = DequantizingWeight(2 * self.nv_local, hidden, self._load_ba)
         self.conv1d = _Weight(self.conv_channels, self.width)
         self.A_log = nn.Parameter(torch.empty(self.nv_local, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv_local, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNormGated(self.dv, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(self.nv * self.dv, hidden, bias=False,
                                           input_shard=(self.v_start * self.dv, value_local))
-        for param, loader in ((self.in_proj_qkvz.weight, self._load_qkvz), (self.in_proj_ba.weight, self._load_ba),
-                              (self.conv1d.weight, self._load_conv), (self.A_log, self._load_per_head),
+        for param, loader in ((self.conv1d.weight, self._load_conv), (self.A_log, self._load_per_head),
                               (self.dt_bias, self._load_per_head)):
             param.weight_loader = loader
         for param in (self.in_proj_qkvz.weight, self.in_proj_ba.weight):
@@ -182,10 +186,8 @@ class GatedDeltaNet(KVCacheLayer):
 
 
 def _check(tensor: torch.Tensor, shape: tuple, what: str) -> None:
-    if not tensor.dtype.is_floating_point or tensor.element_size() == 1:  # packed MXFP4 codes, FP8, int
-        raise ValueError(f"{what} is quantized in this checkpoint ({tensor.dtype}); the Gated DeltaNet "
-                         "projections load in full precision only (a checkpoint that leaves its linear_attn "
-                         "projections unquantized loads)")
+    if is_quantized(tensor):  # the in-projections arrive dequantized (DequantizingWeight); nothing else may be
+        raise ValueError(f"{what} is quantized in this checkpoint ({tensor.dtype}); it loads in full precision only")
     if tuple(tensor.shape) != tuple(shape):
         raise ValueError(f"{what}: shape {tuple(tensor.shape)}, expected {tuple(shape)}")
 

@@ -61,6 +61,10 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> None:
     from engine.quantization.config import module_matches
     keep = getattr(model, "unquantized_modules", ())
     for name, module in model.named_modules():
+        if getattr(module, "dequantizes_on_load", False):  # full precision, from whatever the checkpoint holds
+            schemes = {plan.linear(n) for n in _checkpoint_names(model, name)}
+            module.load_scheme = schemes.pop() if len(schemes) == 1 else _mixed(model, name, schemes)
+            continue
         if not isinstance(module, (FusedMoE, LinearBase)):
             continue
         if any(module_matches(pattern, name) for pattern in keep):
@@ -70,12 +74,14 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> None:
             wanted = plan.experts(f"{prefix}.experts")
         else:
             schemes = {plan.linear(n) for n in _checkpoint_names(model, name)}
-            if len(schemes) > 1:
-                raise ModelSourceError(f"{name} fuses checkpoint layers {_checkpoint_names(model, name)} that are "
-                                       f"quantized differently ({schemes}); they must share one scheme")
-            wanted = schemes.pop()
+            wanted = schemes.pop() if len(schemes) == 1 else _mixed(model, name, schemes)
         if wanted != module.quant_scheme:
             module.set_quant_scheme(wanted)
+
+
+def _mixed(model: nn.Module, name: str, schemes: set):
+    raise ModelSourceError(f"{name} fuses checkpoint layers {_checkpoint_names(model, name)} that are "
+                           f"quantized differently ({schemes}); they must share one scheme")
 
 
 _SCALE_SUFFIX = re.compile(r"\.weight_scale_inv$")

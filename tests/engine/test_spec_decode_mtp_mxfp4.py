@@ -28,7 +28,7 @@ def quantized_with_mtp(tmp_path, arch: str, fmt: str):
                                           v_head_dim=32, q_lora_rank=64)
         exclude = []
     else:  # Qwen3.5-MoE: the mtp.* layout beside Gated DeltaNet layers, whose projections stay in full
-        # precision (the engine loads them so only: test_quantized_gated_deltanet_projections_are_refused_by_name)
+        # precision here (quantized ones load dequantized: tests/engine/test_gdn_quantized_projections.py)
         src = tiny_models.make_tiny_qwen3_next(tmp_path / "src", model_type=arch, num_nextn_predict_layers=1)
         exclude = ["lm_head", "re:.*embed_tokens$", "re:.*linear_attn\\..*"]
     src = tiny_models.add_random_mtp_layer(src)
@@ -67,15 +67,3 @@ def test_an_mxfp4_checkpoint_drafts_with_its_mxfp4_mtp_layer(tmp_path, arch, fmt
         assert tokens == expected
     else:
         assert [len(t) for t in tokens] == [len(t) for t in expected]
-
-
-def test_quantized_gated_deltanet_projections_are_refused_by_name(tmp_path):
-    """A checkpoint whose Gated DeltaNet projections are MXFP4 is refused with a message naming them, not a
-    shape mismatch."""
-    from engine.loader.source import ModelSourceError
-    src = tiny_models.make_tiny_qwen3_next(tmp_path / "src", model_type="qwen3_5_moe_text")
-    dst = tmp_path / "q"
-    subprocess.run([sys.executable, "-m", "engine.quantization.quantizer", str(src), str(dst), "--format",
-                    "quark-mxfp4-w4a16"], check=True, capture_output=True)
-    with pytest.raises(ModelSourceError, match="quantized in this checkpoint.*full precision only"):
-        LLM(str(dst), dtype="float32", show_progress=False)
