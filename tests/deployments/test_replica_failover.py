@@ -193,8 +193,15 @@ def test_streams_of_a_killed_engine_continue_on_the_other_replica(two_replicas):
     victim: dict = {}
 
     def find_victim():
-        states = engine_states("two", 2)
-        running = {tag: state for tag, state in states.items() if state["num_running"]}
+        # The replicas' stats refresh with their engines' polls: right after the first tokens they may still
+        # say nothing runs, so they are asked again (the streams have hundreds of tokens to go).
+        deadline = time.monotonic() + 30
+        while True:
+            states = engine_states("two", 2)
+            running = {tag: state for tag, state in states.items() if state["num_running"]}
+            if running or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert running, states
         victim.update(max(running.values(), key=lambda state: state["num_running"]))
 

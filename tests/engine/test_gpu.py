@@ -106,6 +106,22 @@ def test_prompt_step_graphs_give_the_eager_tokens(arch, tiny_model_dirs):
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
+def test_verify_steps_replayed_from_prompt_step_graphs_give_the_eager_tokens(tiny_model_dirs):
+    """n-gram speculation on a MoE model: its verify steps (several tokens a sequence) replay prompt-step
+    graphs, and the greedy tokens are those of the same engine with such steps eager."""
+    folder = str(tiny_model_dirs["qwen3_moe"])
+    args = dict(dtype="float32", kernel_backend="triton", show_progress=False,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9] * 12, list(range(10, 40)) * 2]  # repeats: drafts that are kept
+    eager = LLM(folder, cuda_graph_prompt_steps="off", **args)
+    expected = [o.token_ids for o in eager.generate(prompts, GREEDY)]
+    graphs = LLM(folder, cuda_graph_prompt_steps="on", **args)
+    runner = graphs.engine.executor.runner
+    assert [o.token_ids for o in graphs.generate(prompts, GREEDY)] == expected
+    assert runner.prompt_graphs is not None and runner.prompt_graphs.num_replays > 0
+    assert graphs.engine.stats()["spec_accepted_tokens"] > 0
+
+
 WINDOW_MODELS = {  # untied embeddings: a tiny Gemma 4 with tied ones repeats one token, whatever its attention does
     "gpt-oss": tiny_models.make_tiny_gpt_oss,
     "gemma4": lambda folder: tiny_models.make_tiny_gemma4(folder, tie_word_embeddings=False),
