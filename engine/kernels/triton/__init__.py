@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.registry import KernelBackend
-from engine.kernels.triton import gdn, gemv, mla, moe, moe_quant, moe_routing, ops, quant
+from engine.kernels.triton import gdn, gemv, mla, mla_sparse, moe, moe_quant, moe_routing, ops, quant
 from engine.kernels.triton.attention import TritonAttentionBackend
 from engine.kernels.triton.sampling import sample
 
@@ -49,7 +49,7 @@ BACKEND = KernelBackend(
         "fused_experts_mxfp4": moe_quant.fused_experts_quantized,
         "fused_experts_int4": moe_quant.fused_experts_quantized,
         "mla_attention": mla.mla_attention,
-        "mla_sparse_attention": mla.mla_sparse_attention,
+        "mla_sparse_attention": mla_sparse.mla_sparse_attention,
     },
     attention=TritonAttentionBackend,
 )

@@ -1,6 +1,6 @@
 """Multi-head latent attention in Triton (engine/kernels/mla.py states the contracts; the torch reference is
 engine/kernels/torch/mla.py): the latent-cache write, the absorbed decode, the expanded prefill and sparse
-latent attention over listed entries.
+latent attention over listed entries (its kernel in mla_sparse.py, on this file's tile loop).
 
 - Decode: q_latent = q_nope @ W_UK (a batched GEMM), then flash decoding over the paged latent cache as MQA:
   a program takes one sequence, a block of its heads (all of them up to 16, else blocks of 32) and one split
@@ -12,7 +12,7 @@ latent attention over listed entries.
   block table, expand through kv_b_proj (one GEMM for every prefill of the step), then a varlen causal
   flash attention with qk head dim qk_nope + rope (the rope key shared by the heads, read once per token)
   and v head dim v_head_dim, bottom-right aligned.
-- Sparse: each query row over its own listed entries (-1 skipped), as the decode's MQA tile loop.
+- Sparse (mla_sparse.py): each query row over its own listed entries (-1 skipped), as the decode's MQA tile loop.
 - FP8 caches (`kv_quant`, one per-tensor scale: engine/kernels/mla.py): the write quantizes as
   `stored_entries` does (a correctly rounded division, clamped, rounded to the cache's FP8 dtype); the
   decode and sparse kernels widen FP8 tiles exactly to the queries' dtype, fold the scale into the softmax
@@ -31,7 +31,7 @@ from engine.kernels.triton import workspace
 from engine.kernels.triton.activation_quant import round_to_e4m3
 from engine.kernels.triton.common import dot, interpreting
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 # Decode splits: at most MAX_SPLITS per sequence, none shorter than MIN_SPLIT_TOKENS (module-level so that tests
 # and the benchmark can change them). Chosen by benchmarks/mla_decode_bench.py's sweep on an H100
@@ -41,7 +41,7 @@ MIN_SPLIT_TOKENS = 32
 REDUCE_CHUNK = 32  # splits the reduction loads at once
 
 
-def _pad(n: int) -> int:
+def pad_dim(n: int) -> int:
     """A tile extent for n features: a power of two, at least 16 (tl.dot's smallest)."""
     return max(16, triton.next_power_of_2(n))
 
@@ -81,7 +81,7 @@ def _latent_write_kernel(latent_ptr, pe_ptr, cache_ptr, slot_ptr, scale_ptr, s_l
 
 
 @triton.jit
-def _latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2,
+def latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2,
                  L: tl.constexpr, R: tl.constexpr, UPCAST: tl.constexpr):
     """One tile of entries (pointers [BLOCK_N, 1] to their first element, `valid` [BLOCK_N]) into the online
     softmax of a block of heads: scores q_lat k_lat + q_pe k_pe, values k_lat. m and the scores are in log2
@@ -136,7 +136,7 @@ def _decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, kv_scale_ptr, out_ptr, part_o
             valid = tokens < end
             pages = tl.load(block_table_ptr + seq * stride_bt + tokens // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
             entry_ptrs = cache_ptr + (pages * s_block + (tokens % PAGE_SIZE) * s_entry)[:, None]
-            acc, m, l = _latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2, L, R, UPCAST)
+            acc, m, l = latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2, L, R, UPCAST)
         out = acc / l[:, None]
         if QUANT:
             out = out * tl.load(kv_scale_ptr)
@@ -235,50 +235,14 @@ def _prefill_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, k_pe_ptr, out_ptr, query_start
                  mask=row_valid[:, None] & (dv < V))
 
 
-@triton.jit
-def _sparse_kernel(q_ptr, cache_ptr, kv_scale_ptr, slots_ptr, out_ptr, lse_ptr, num_heads, top_k, sq_t, sq_h, ss_t,
-                   s_entry, so_t, so_h, slse_t, scale_log2,
-                   VD: tl.constexpr, R: tl.constexpr, VD_PAD: tl.constexpr, R_PAD: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr):
-    """Program (query row, head block): the row's listed entries in tiles; keys are whole entries (VD value
-    dims, then R more), values their first VD dims. QUANT: an FP8 cache, as in _decode_kernel."""
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_mask = heads < num_heads
-    dl = tl.arange(0, VD_PAD)
-    dr = tl.arange(0, R_PAD)
-    q_rows = q_ptr + token * sq_t + heads[:, None] * sq_h
-    q_lat = tl.load(q_rows + dl[None, :], mask=head_mask[:, None] & (dl[None, :] < VD), other=0.0)
-    q_pe = tl.load(q_rows + VD + dr[None, :], mask=head_mask[:, None] & (dr[None, :] < R),
-                   other=0.0).to(q_lat.dtype)
-    if QUANT:
-        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, VD_PAD], tl.float32)
-    for start in range(0, top_k, BLOCK_N):
-        index = start + tl.arange(0, BLOCK_N)
-        slots = tl.load(slots_ptr + token * ss_t + index, mask=index < top_k, other=-1).to(tl.int64)
-        valid = slots >= 0
-        entry_ptrs = cache_ptr + (tl.where(valid, slots, 0) * s_entry)[:, None]
-        acc, m, l = _latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2, VD, R, UPCAST)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    if QUANT:
-        out = out * tl.load(kv_scale_ptr)
-    tl.store(out_ptr + token * so_t + heads[:, None] * so_h + dl[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=head_mask[:, None] & (dl[None, :] < VD))
-    lse = tl.where(l > 0, (m + tl.math.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + token * slse_t + heads, lse, mask=head_mask)
-
-
 # ---- launchers ----------------------------------------------------------------------------------------
 
-def _upcast(x: torch.Tensor) -> bool:
+def upcast(x: torch.Tensor) -> bool:
     """Half-precision dots go through fp32 under the interpreter (see common.dot)."""
     return x.dtype != torch.float32 and interpreting()
 
 
-def _quant_args(kv_quant: KVCacheQuant | None, kv_cache: torch.Tensor) -> tuple[bool, torch.Tensor]:
+def quant_args(kv_quant: KVCacheQuant | None, kv_cache: torch.Tensor) -> tuple[bool, torch.Tensor]:
     """(QUANT, the scale [1]) of a launch on `kv_cache`; without quantization the cache stands in for the
     scale pointer, which is then never read."""
     if kv_quant is None:
@@ -300,7 +264,7 @@ def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch
     assert latent.stride(-1) == 1 and k_pe.stride(-1) == 1, "the feature dimension must be contiguous"
     if num_tokens == 0:
         return
-    quant, kv_scale = _quant_args(kv_quant, kv_cache)
+    quant, kv_scale = quant_args(kv_quant, kv_cache)
     _latent_write_kernel[(num_tokens,)](
         latent, k_pe, kv_cache, slots, kv_scale, latent.stride(0), k_pe.stride(0), kv_cache.stride(0),
         kv_cache.stride(1), PAGE_SIZE=kv_cache.shape[1], L=kv_lora_rank, R=rope_dim,
@@ -309,7 +273,7 @@ def write_latent_cache(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch
         ROUND_E4M3=quant and interpreting() and kv_cache.dtype == torch.float8_e4m3fn)
 
 
-def _decode_tiles(num_heads: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def decode_tiles(num_heads: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps) of the decode kernel."""
     if dtype == torch.float32:  # FMA dots: small tiles, or they spill
         return 16, 16, 4
@@ -344,7 +308,7 @@ def decode_latent(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     assert q_latent.stride(-1) == q_pe.stride(-1) == out.stride(-1) == 1
     num_stages = 2
     if tiles is None:
-        block_h, block_n, num_warps = _decode_tiles(num_heads, q_latent.dtype)
+        block_h, block_n, num_warps = decode_tiles(num_heads, q_latent.dtype)
     else:
         block_h, block_n, num_warps, num_stages = tiles
     head_blocks = triton.cdiv(num_heads, block_h)
@@ -356,15 +320,15 @@ def decode_latent(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         part_out = torch.empty(num_seqs, num_heads, num_splits, kv_lora_rank, dtype=torch.float32,
                                device=q_latent.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q_latent.device)
-    l_pad, r_pad = _pad(kv_lora_rank), _pad(rope_dim)
-    quant, kv_scale = _quant_args(kv_quant, kv_cache)
+    l_pad, r_pad = pad_dim(kv_lora_rank), pad_dim(rope_dim)
+    quant, kv_scale = quant_args(kv_quant, kv_cache)
     _decode_kernel[(num_seqs, head_blocks, num_splits)](
         q_latent, q_pe, kv_cache, kv_scale, out, part_out, part_lse, seq_lens, block_table, num_heads, min_tiles,
         num_splits,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
-        kv_cache.stride(1), out.stride(0), out.stride(1), block_table.stride(0), scale * _LOG2E,
+        kv_cache.stride(1), out.stride(0), out.stride(1), block_table.stride(0), scale * LOG2E,
         L=kv_lora_rank, R=rope_dim, L_PAD=l_pad, R_PAD=r_pad, BLOCK_H=block_h, BLOCK_N=block_n,
-        PAGE_SIZE=kv_cache.shape[1], SINGLE_SPLIT=single, QUANT=quant, UPCAST=_upcast(q_latent), num_warps=num_warps,
+        PAGE_SIZE=kv_cache.shape[1], SINGLE_SPLIT=single, QUANT=quant, UPCAST=upcast(q_latent), num_warps=num_warps,
         num_stages=num_stages)
     if not single:
         splits_pad = triton.next_power_of_2(num_splits)
@@ -451,9 +415,9 @@ def prefill_expanded(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights: ML
     _prefill_kernel[grid](
         q_nope, q_pe, kv, context_pe, out, metadata.query_start_loc, metadata.seq_lens, kv_starts, first,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), kv.stride(1),
-        context_pe.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
-        N=nope, R=rope_dim, V=v_dim, N_PAD=_pad(nope), R_PAD=_pad(rope_dim), V_PAD=_pad(v_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q_nope), num_warps=num_warps, num_stages=2)
+        context_pe.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+        N=nope, R=rope_dim, V=v_dim, N_PAD=pad_dim(nope), R_PAD=pad_dim(rope_dim), V_PAD=pad_dim(v_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast(q_nope), num_warps=num_warps, num_stages=2)
 
 
 def _decode_max_len(metadata, num_decodes: int) -> int:
@@ -482,33 +446,3 @@ def mla_attention(q_nope, q_pe, latent, k_pe, kv_cache, metadata, weights: MLAWe
 
 
 mla_attention.cuda_graph_safe = True  # decode-only steps: device-side lengths and tables only
-
-
-def mla_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                         v_dim: int, kv_quant: KVCacheQuant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `mla_sparse_attention` op (engine/kernels/mla.py): q [T, H, D] over the entries at slots [T, K]
-    (-1: none) of kv_cache viewed as [-1, D] (FP8 with `kv_quant`) -> (out [T, H, v_dim] in q's dtype,
-    lse [T, H] fp32)."""
-    num_tokens, num_heads, dim = q.shape
-    if kv_cache.shape[-1] != dim:
-        raise ValueError(f"queries have {dim} features but cache entries {kv_cache.shape[-1]}")
-    if not 0 < v_dim <= dim:
-        raise ValueError(f"v_dim {v_dim} must be in 1..{dim}")
-    if slots.dim() != 2 or slots.shape[0] != num_tokens:
-        raise ValueError(f"slots must be [{num_tokens}, K], not {list(slots.shape)}")
-    entries = kv_cache.view(-1, dim)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    slots = slots if slots.stride(-1) == 1 else slots.contiguous()
-    out = q.new_empty(num_tokens, num_heads, v_dim)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    if num_tokens == 0:
-        return out, lse
-    block_h, block_n, num_warps = _decode_tiles(num_heads, q.dtype)
-    rope_dim = dim - v_dim
-    quant, kv_scale = _quant_args(kv_quant, kv_cache)
-    _sparse_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        q, entries, kv_scale, slots, out, lse, num_heads, slots.shape[1], q.stride(0), q.stride(1), slots.stride(0),
-        entries.stride(0), out.stride(0), out.stride(1), lse.stride(0), scale * _LOG2E,
-        VD=v_dim, R=rope_dim, VD_PAD=_pad(v_dim), R_PAD=_pad(max(rope_dim, 1)), BLOCK_H=block_h, BLOCK_N=block_n,
-        QUANT=quant, UPCAST=_upcast(q), num_warps=num_warps, num_stages=2)
-    return out, lse

@@ -1,5 +1,5 @@
-"""The Triton MLA kernels (engine/kernels/triton/mla.py) against the torch reference: the latent-cache write,
-the absorbed decode (ragged contexts, shuffled block tables, split and unsplit, metadata sized for a CUDA
+"""The Triton MLA kernels (engine/kernels/triton/mla.py, mla_sparse.py) against the torch reference: the
+latent-cache write, the absorbed decode (ragged contexts, shuffled block tables, split and unsplit, metadata sized for a CUDA
 graph), the expanded prefill with and without a cached prefix, mixed batches, the profiling pass, sparse
 attention with its log-sum-exp, and all of them over an FP8 latent cache with a per-tensor scale.
 
@@ -16,7 +16,7 @@ from triton_device import DEVICE, ON_GPU  # noqa: E402  (skips the module withou
 from engine.kernels.attention import CommonAttentionMetadata, KVCacheQuant, quantize_to_fp8  # noqa: E402
 from engine.kernels.mla import MLAWeights  # noqa: E402
 from engine.kernels.torch import mla as reference  # noqa: E402
-from engine.kernels.triton import mla  # noqa: E402
+from engine.kernels.triton import mla, mla_sparse  # noqa: E402
 
 # (heads, kv_lora_rank L, rope R, qk_nope N, v_head_dim V)
 TINY = (6, 32, 8, 16, 24)
@@ -203,7 +203,7 @@ def test_sparse_matches_reference_with_padding_and_an_empty_row(dtype, v_dim):
     slots[2, ::3] = -1  # scattered padding
     slots[3] = -1  # nothing to attend to
     slots = slots.to(DEVICE)
-    out, lse = mla.mla_sparse_attention(q, cache, slots, 0.2, v_dim)
+    out, lse = mla_sparse.mla_sparse_attention(q, cache, slots, 0.2, v_dim)
     expected, expected_lse = reference.mla_sparse_attention(q, cache, slots, 0.2, v_dim)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert torch.equal(out[3], torch.zeros_like(out[3])) and bool((lse[3] == float("-inf")).all())
@@ -215,10 +215,10 @@ def test_sparse_matches_reference_with_padding_and_an_empty_row(dtype, v_dim):
 def test_sparse_rejects_mismatched_shapes():
     cache = torch.zeros(2, BLOCK_SIZE, 40, device=DEVICE)
     with pytest.raises(ValueError, match="features"):
-        mla.mla_sparse_attention(torch.zeros(3, 2, 32, device=DEVICE), cache, torch.zeros(3, 4, dtype=torch.int64,
+        mla_sparse.mla_sparse_attention(torch.zeros(3, 2, 32, device=DEVICE), cache, torch.zeros(3, 4, dtype=torch.int64,
                                                                                             device=DEVICE), 1.0, 32)
     with pytest.raises(ValueError, match="slots"):
-        mla.mla_sparse_attention(torch.zeros(3, 2, 40, device=DEVICE), cache, torch.zeros(2, 4, dtype=torch.int64,
+        mla_sparse.mla_sparse_attention(torch.zeros(3, 2, 40, device=DEVICE), cache, torch.zeros(2, 4, dtype=torch.int64,
                                                                                             device=DEVICE), 1.0, 32)
 
 
@@ -262,7 +262,7 @@ def test_fp8_cache_sparse_matches_reference(dtype):
     slots[1, 9:] = -1
     slots[2] = -1
     slots = slots.to(DEVICE)
-    out, lse = mla.mla_sparse_attention(q, cache, slots, 0.2, v_dim, kv_quant=quant)
+    out, lse = mla_sparse.mla_sparse_attention(q, cache, slots, 0.2, v_dim, kv_quant=quant)
     expected, expected_lse = reference.mla_sparse_attention(q, cache, slots, 0.2, v_dim, kv_quant=quant)
     assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == float("-inf")).all())
     rows = [0, 1, 3]
