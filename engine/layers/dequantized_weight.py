@@ -30,10 +30,11 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme) -
         exponents = scale if scale.dtype == torch.uint8 else (torch.log2(scale.float()) + 127).round().to(torch.uint8)
         return dequantize_weight(QuantizedWeight(scheme, weight.view(torch.uint8), exponents))
     values = e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
-    values = {"fp8_tensor": lambda s: s.reshape(()), "fp8_channel": lambda s: s.reshape(-1)}.get(
-        scheme.method, lambda s: s)(values)
-    expected = scheme.scale_shape(*weight.shape)
-    if scheme.method == "fp8_block" and tuple(values.shape) != tuple(expected):
+    if scheme.method == "fp8_tensor":
+        values = values.reshape(())
+    elif scheme.method == "fp8_channel":
+        values = values.reshape(-1)
+    elif tuple(values.shape) != tuple(expected := scheme.scale_shape(*weight.shape)):
         raise ValueError(f"block scales of shape {tuple(values.shape)} do not tile a {tuple(weight.shape)} weight "
                          f"in {scheme.block} blocks (expected {tuple(expected)})")
     return dequantize_weight(QuantizedWeight(scheme, weight, values))

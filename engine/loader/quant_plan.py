@@ -62,8 +62,7 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> None:
     keep = getattr(model, "unquantized_modules", ())
     for name, module in model.named_modules():
         if getattr(module, "dequantizes_on_load", False):  # full precision, from whatever the checkpoint holds
-            schemes = {plan.linear(n) for n in _checkpoint_names(model, name)}
-            module.load_scheme = schemes.pop() if len(schemes) == 1 else _mixed(model, name, schemes)
+            module.load_scheme = _linear_scheme(model, name, plan)
             continue
         if not isinstance(module, (FusedMoE, LinearBase)):
             continue
@@ -73,15 +72,18 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> None:
             prefix = _checkpoint_names(model, name)[0]
             wanted = plan.experts(f"{prefix}.experts")
         else:
-            schemes = {plan.linear(n) for n in _checkpoint_names(model, name)}
-            wanted = schemes.pop() if len(schemes) == 1 else _mixed(model, name, schemes)
+            wanted = _linear_scheme(model, name, plan)
         if wanted != module.quant_scheme:
             module.set_quant_scheme(wanted)
 
 
-def _mixed(model: nn.Module, name: str, schemes: set):
-    raise ModelSourceError(f"{name} fuses checkpoint layers {_checkpoint_names(model, name)} that are "
-                           f"quantized differently ({schemes}); they must share one scheme")
+def _linear_scheme(model: nn.Module, name: str, plan: QuantPlan):
+    """The plan's scheme of our linear module `name`, one for all the checkpoint layers it fuses."""
+    schemes = {plan.linear(n) for n in _checkpoint_names(model, name)}
+    if len(schemes) > 1:
+        raise ModelSourceError(f"{name} fuses checkpoint layers {_checkpoint_names(model, name)} that are "
+                               f"quantized differently ({schemes}); they must share one scheme")
+    return schemes.pop()
 
 
 _SCALE_SUFFIX = re.compile(r"\.weight_scale_inv$")

@@ -381,10 +381,11 @@ class ModelRunner:
                                             self._group_keys)
         verify = (tuple(index for index, request in enumerate(host.requests) if request.spec_token_ids)
                   if scheduled.spec_token_ids else ())
-        bucket = self.prompt_graphs.bucket(self._step_tokens(scheduled)) if self.prompt_graphs else None
+        tokens = self._step_tokens(scheduled)
+        bucket = self.prompt_graphs.bucket(tokens) if self.prompt_graphs else None
         if bucket is not None and not scheduled.ep_eager:
             return self.prompt_graphs.run(input_ids, positions, metadata, bucket, verify)
-        moe = MoEStep(padded_step_tokens(self._step_tokens(scheduled), self.step_buckets))
+        moe = MoEStep(padded_step_tokens(tokens, self.step_buckets))
         with forward_context(metadata, self.block_size, moe, verify):
             return self.model(input_ids, positions)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -17,6 +16,7 @@ import pytest
 import requests
 
 import tiny_models
+from http_testing import free_port, wait_healthy
 
 MAX_TOKENS = 400  # the tiny model allows 512 positions; about 2 s of streaming here
 KILL_AFTER_TOKENS = 8
@@ -96,24 +96,6 @@ def run_streams(base: str, indices, fault=None, prepare=None) -> list[Stream]:
     return streams
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if requests.get(url, timeout=10).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, f"{url} never became healthy"
-        time.sleep(0.5)
-
-
 def deploy(name: str, port: int, model: str, **args) -> str:
     from ray import serve
 
@@ -122,7 +104,7 @@ def deploy(name: str, port: int, model: str, **args) -> str:
                          "engine_args": {"dtype": "float32", "max_num_seqs": 16}, **args}),
               name=name, route_prefix=f"/{name}", blocking=False)
     base = f"http://127.0.0.1:{port}/{name}"
-    wait_healthy(f"{base}/health")
+    wait_healthy(f"{base}/health", timeout=180)
     return base
 
 

@@ -17,26 +17,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from http_testing import free_port, wait_healthy
+
 ROOT = Path(__file__).resolve().parents[2]
 APP_NAME = "atom-ray-test"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(url, timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"{url} never became healthy")
 
 
 def metric(base: str, name: str) -> float:
