@@ -113,7 +113,8 @@ def benchmark(args) -> dict:
     timing_dir = Path(tempfile.mkdtemp(prefix="step-timing-"))
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
              runtime_env={"env_vars": {"ATOM_RAY_STEP_TIMING_DIR": str(timing_dir),
-                                       "ATOM_RAY_KERNEL_PROFILE_STEPS": str(args.kernel_profile_steps)}})
+                                       "ATOM_RAY_KERNEL_PROFILE_STEPS": str(args.kernel_profile_steps),
+                                       "ATOM_RAY_HOST_SAMPLE_HZ": str(args.host_sample_hz)}})
     for name in args.models.split(","):
         model = f"benchmarks/configs/{name}"
         prompts, output_lens = throughput_workload(AutoConfig.from_pretrained(model).vocab_size)
@@ -196,6 +197,23 @@ def kernel_table(results: dict, top: int = 12) -> None:
                                  f"{k['calls_per_step']:.0f}", f"{k['share']:.2f}"))
     if rows:
         print_table(["model", "layout", "rank", "kernel", "ms per step", "calls per step", "share"], rows)
+    host_table(results)
+
+
+def host_table(results: dict, top: int = 8) -> None:
+    """Where each rank process's busy threads spent their wall time (`--host-sample-hz`): the functions most
+    often on their stacks. Threads parked in one frame for 90 % of the samples or more are left out."""
+    rows = []
+    for name, layouts in results.items():
+        for label, r in layouts.items():
+            for rank, report in sorted(r.get("ranks", {}).items()):
+                for thread, t in report.get("threads", {}).items():
+                    if not t["self"] or t["self"][0][1] >= 0.9:
+                        continue
+                    for key, share in t["inclusive"][:top]:
+                        rows.append((name, label, rank, thread[:28], key[:80], f"{share:.2f}"))
+    if rows:
+        print_table(["model", "layout", "rank", "thread", "function (inclusive)", "share of samples"], rows)
 
 
 def check(args) -> dict:
@@ -245,6 +263,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=512)
     parser.add_argument("--kernel-profile-steps", type=int, default=0,
                         help="trace each rank's kernels over this many full-batch steps of the offline run")
+    parser.add_argument("--host-sample-hz", type=float, default=0,
+                        help="sample every rank process's Python stacks at this rate (engine/runner/host_sampler.py)")
     parser.add_argument("--check", action="store_true", help="only the tiny-model token check")
     parser.add_argument("--device", default="cuda", help="the check's device (cpu runs it through gloo)")
     parser.add_argument("--out", required=True)

@@ -5,7 +5,8 @@
 # or Llama-3.1-8B one-GPU layout ~60 s and a two-GPU one 76-99 s with 256 requests, the tiny-model check ~80 s
 # a layout, the serving step (an offline engine, then the Serve app: ready after ~170 s) over 230 s. Run it
 # as three device calls of under 10 minutes each: PART=1, PART=2, PART=3; prompt-step graphs against
-# eager prompt steps: PART=prompt-check, PART=prompt-qwen3, PART=prompt-llama.
+# eager prompt steps: PART=prompt-check, PART=prompt-qwen3, PART=prompt-llama; the Qwen3 layouts with
+# each rank's host stacks sampled: PART=diag-qwen3.
 # Needs Ray on PYTHONPATH (the README's offline bundle).
 set -u
 OUT=${OUT:-/tmp/multi_gpu_out}
@@ -29,6 +30,12 @@ elif [ "$PART" = prompt-check ]; then  # prompt-step graphs: the GPU tests, the 
 elif [ "$PART" = prompt-qwen3 ]; then  # each layout with prompt-step graphs and without
   run qwen3 560 $M --models qwen3-30b-a3b --out "$OUT/qwen3.json" \
       --layouts "1 GPU,TP=2,TP=2 + EP,1 GPU (eager prompt steps),TP=2 (eager prompt steps)"
+elif [ "$PART" = diag-qwen3 ]; then  # the unrun GPU tests, then the Qwen3 layouts with host stacks sampled
+  nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+  run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
+      -k "verify_steps_replayed or graph_replay_gives_the_eager_tokens"
+  run qwen3 420 $M --models qwen3-30b-a3b --out "$OUT/qwen3.json" --host-sample-hz 200 \
+      --layouts "1 GPU,TP=2,TP=2 + EP"
 elif [ "$PART" = prompt-llama ]; then
   run llama 400 $M --models llama-3.1-8b --num-requests 256 --out "$OUT/llama.json"
 else

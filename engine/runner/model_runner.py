@@ -34,6 +34,13 @@ from engine.runner.pending_output import PendingOutput
 from engine.runner.prompt_graphs import PromptGraphs, capture_prompt_graphs
 
 logger = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
 
 
 def _granularities(layer: KVCacheLayer) -> tuple[str, ...]:
@@ -95,6 +102,7 @@ class ModelRunner:
         self.expert_load = expert_load_tracker(self.model, config.expert_load_window)
         self._last_sampled: torch.Tensor | None = None  # device ids of the latest step, for pending tokens
         self._step = 0
+        self.last_step_replayed = False  # whether the last forward pass was a decode-graph replay (diagnostics)
         self._unresolved: deque[PendingOutput] = deque()  # launched steps whose ids are not recorded yet
         logger.info("model loaded: %s, dtype %s (residual stream %s), device %s, kernels %s",
                     type(self.model).__name__, self.dtype, self.residual_dtype, device, self.kernel_backend.name)
@@ -346,8 +354,12 @@ class ModelRunner:
     def _graph_size(self, scheduled: SchedulerOutput, host: HostInputs | None) -> int | None:
         """The decode graph that runs this step (padded to the EP group's largest step), or None: eager."""
         tokens = self._step_tokens(scheduled)
-        if (self.graphs is None or scheduled.ep_eager or tokens > self.graphs.max_batch
-                or host is not None and not host.is_decode_only):
+        if self.graphs is None or host is not None and not host.is_decode_only:
+            return None
+        if scheduled.ep_eager or tokens > self.graphs.max_batch:
+            _log_once(f"decode steps of the EP group's largest batch above the graphs' {self.graphs.max_batch} rows "
+                      "run eagerly" if tokens > self.graphs.max_batch else
+                      "a decode step ran eagerly: another DP rank's step in lockstep was eager")
             return None
         return self.graphs.padded_size(tokens)
 
@@ -355,6 +367,7 @@ class ModelRunner:
         """The forward pass of a lockstep step on a DP rank that has nothing to run: only padding rows, no
         cache writes, no sampling; its MoE layers join the other ranks' exchanges, padded as theirs are."""
         size = self._graph_size(scheduled, None)
+        self.last_step_replayed = size is not None
         if size is not None:
             self.graphs.run_dummy(size)
         else:
@@ -367,6 +380,7 @@ class ModelRunner:
 
     def _forward(self, host: HostInputs, scheduled: SchedulerOutput) -> torch.Tensor:
         size = self._graph_size(scheduled, host)
+        self.last_step_replayed = size is not None
         if size is not None:
             return self.graphs.run(host, self._last_sampled, size)
         input_ids = self._to_device(host.input_ids)

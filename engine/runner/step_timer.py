@@ -25,13 +25,16 @@ from engine.core.scheduler_output import SchedulerOutput
 MAX_RECORDS = 50_000  # two CUDA events each; steps past this are not recorded
 
 
-def step_kind(scheduled: SchedulerOutput) -> str:
+def step_kind(scheduled: SchedulerOutput, replayed: bool | None = None) -> str:
+    """The step's kind; `replayed` False marks a decode step that ran eagerly rather than from a decode graph
+    ("decode (eager)"), so that a layout whose large batches miss the graphs shows it."""
     counts = scheduled.num_scheduled_tokens
     if not counts:
         return "idle"
     if any(n != 1 for n in counts.values()):
         return "prefill"
-    return "decode_b1" if len(counts) == 1 else "decode"
+    kind = "decode_b1" if len(counts) == 1 else "decode"
+    return f"{kind} (eager)" if replayed is False else kind
 
 
 def timings(records: list[tuple]) -> list[tuple[str, float, float, float, int]]:
@@ -101,7 +104,9 @@ class StepTimer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.with_suffix(".kernels.json").write_text(json.dumps(report))
 
-    def launch(self, scheduled: SchedulerOutput, fn):
+    def launch(self, scheduled: SchedulerOutput, fn, replayed=None):
+        """Run `fn` (the step's launch) timed; `replayed()`, asked after it, says whether the step's forward
+        pass was a graph replay (None: not known)."""
         self.seen += 1
         self._trace(scheduled)
         if self.seen <= self.skip or len(self.records) >= MAX_RECORDS:
@@ -111,7 +116,8 @@ class StepTimer:
         start.record()
         result = fn()
         end.record()
-        self.records.append((start, end, time.perf_counter() - host_start, step_kind(scheduled),
+        self.records.append((start, end, time.perf_counter() - host_start,
+                             step_kind(scheduled, replayed() if replayed is not None else None),
                              sum(scheduled.num_scheduled_tokens.values())))
         if len(self.records) == self.steps:
             self.write(final=False)

@@ -17,6 +17,7 @@ from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.loader import resolve_model
 from engine.parallel import destroy_parallel, get_parallel_state, init_parallel
 from engine.runner.device import resolve_device
+from engine.runner.host_sampler import HostSampler
 from engine.runner.model_runner import ModelRunner
 from engine.runner.pending_output import PendingOutput
 from engine.runner.step_timer import StepTimer
@@ -49,11 +50,17 @@ class Worker:
         profile_steps = int(os.environ.get("ATOM_RAY_KERNEL_PROFILE_STEPS", "0"))
         self.timer = StepTimer(timing_dir, f"dp{dp_rank}_rank{rank}", profile_steps=profile_steps) \
             if timing_dir and self.device.type == "cuda" else None
+        sample_hz = float(os.environ.get("ATOM_RAY_HOST_SAMPLE_HZ", "0"))
+        self.sampler = HostSampler(os.path.join(timing_dir, f"dp{dp_rank}_rank{rank}.host.json"), sample_hz) \
+            if timing_dir and sample_hz > 0 else None
 
     def _launch(self, scheduled: SchedulerOutput, before_sampling=None) -> PendingOutput:
+        if self.sampler is not None:
+            self.sampler.start()  # from the first step: start-up and graph capture stay out
         if self.timer is None:
             return self.runner.execute_async(scheduled, before_sampling)
-        return self.timer.launch(scheduled, lambda: self.runner.execute_async(scheduled, before_sampling))
+        return self.timer.launch(scheduled, lambda: self.runner.execute_async(scheduled, before_sampling),
+                                 lambda: self.runner.last_step_replayed)
 
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
@@ -99,6 +106,8 @@ class Worker:
             torch.cuda.synchronize(self.device)
         if self.timer is not None:
             self.timer.write()
+        if self.sampler is not None:
+            self.sampler.stop()
         destroy_parallel(abort=self.device.type == "cuda")  # the rank's process ends next
 
     def _broadcast(self, message):

@@ -44,6 +44,21 @@ def test_step_kinds():
     assert step_kind(plan({"a": 1})) == "decode_b1"
     assert step_kind(plan({"a": 1, "b": 1})) == "decode"
     assert step_kind(plan({"a": 1, "b": 7})) == "prefill"
+    # a decode step that missed the decode graphs is its own kind; prefill and idle steps are not split
+    assert step_kind(plan({"a": 1, "b": 1}), replayed=False) == "decode (eager)"
+    assert step_kind(plan({"a": 1}), replayed=False) == "decode_b1 (eager)"
+    assert step_kind(plan({"a": 1, "b": 1}), replayed=True) == "decode"
+    assert step_kind(plan({"a": 1, "b": 7}), replayed=False) == "prefill"
+    assert step_kind(plan({}), replayed=False) == "idle"
+
+
+def test_eager_decode_steps_are_counted_apart(fake_cuda, tmp_path):
+    timer = StepTimer(str(tmp_path), "r", skip=0, steps=1000)
+    for counts, replayed in [({"a": 1, "b": 1}, True), ({"a": 1, "b": 1}, False), ({"a": 1, "b": 1}, False)]:
+        timer.launch(plan(counts), lambda: None, lambda replayed=replayed: replayed)
+    timer.write()
+    kinds = json.loads((tmp_path / "r.json").read_text())["by_kind"]
+    assert {k: v["steps"] for k, v in kinds.items()} == {"decode": 1, "decode (eager)": 2}
 
 
 def test_every_kind_sums_its_device_time_and_the_gaps_before_its_steps(fake_cuda, tmp_path):
