@@ -7,7 +7,8 @@ over CUDA IPC), waits on a barrier in the same kernel, and sums the peers' copie
 proxy thread. It needs every GPU of the group visible to every rank (atom_ray's placement keeps them
 visible for TP > 1) and peer access between them (NVLink or PCIe P2P); where anything is missing, `create`
 returns None and NCCL does the work. Tensors larger than the buffer also go to NCCL, whose ring and tree
-algorithms move large tensors with less traffic. ATOM_RAY_SYMMETRIC_ALL_REDUCE=0 leaves everything to NCCL.
+algorithms move large tensors with less traffic. ATOM_RAY_SYMMETRIC_ALL_REDUCE=0 leaves everything to NCCL;
+ATOM_RAY_SYMMETRIC_ALL_REDUCE_KIB sets the buffer (and so the largest one-shot tensor) in KiB.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class SymmetricAllReduce:
         reduce cannot run, after which every rank uses NCCL."""
         if device.type != "cuda" or torch.version.hip or os.environ.get("ATOM_RAY_SYMMETRIC_ALL_REDUCE") == "0":
             return None
+        max_bytes = int(os.environ.get("ATOM_RAY_SYMMETRIC_ALL_REDUCE_KIB", max_bytes // 1024)) * 1024
         ok, reason, reducer = True, "", None
         try:
             import torch.distributed._symmetric_memory as symm_mem
