@@ -42,6 +42,9 @@ elif [ "$PART" = ep-variants ]; then  # TP=2 + EP: as is, without NCCL's graph m
   run tp2ep 145 $Q --layouts "TP=2 + EP" --out "$OUT/tp2ep.json"
   NCCL_GRAPH_MIXING_SUPPORT=0 run tp2ep_nomix 145 $Q --layouts "TP=2 + EP" --out "$OUT/tp2ep_nomix.json"
   ATOM_RAY_SYMMETRIC_ALL_REDUCE_KIB=8192 run tp2ep_oneshot 145 $Q --layouts "TP=2 + EP" --out "$OUT/tp2ep_oneshot.json"
+elif [ "$PART" = no-mixing ]; then  # NCCL's graph mixing off (the default since): tokens, then the layouts
+  run check 190 $M --check --layouts "1 GPU,TP=2 + EP,DP=2 + EP=2" --out "$OUT/check.json"
+  run qwen3 385 $M --models qwen3-30b-a3b --layouts "1 GPU,TP=2,DP=2 + EP=2" --out "$OUT/qwen3.json"
 elif [ "$PART" = prompt-llama ]; then
   run llama 400 $M --models llama-3.1-8b --num-requests 256 --out "$OUT/llama.json"
 else

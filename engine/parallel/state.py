@@ -78,6 +78,8 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     if urlparse(init_method).hostname in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the outward interface
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        nccl_environment(os.environ)
     rank = dp_rank * tp_size + tp_rank if expert_parallel else tp_rank
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -118,6 +120,19 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
                            ep_group=dist.group.WORLD if expert_parallel else None,
                            ep_small_all_reduce=ep_small_all_reduce if expert_parallel else None, **extra)
     return _state
+
+
+def nccl_environment(environ) -> None:
+    """NCCL settings for this process, set before its first communicator (NCCL reads them then); a value the
+    user set wins.
+
+    NCCL_GRAPH_MIXING_SUPPORT=0: NCCL's support for graph-captured and eager collectives of one communicator
+    in flight together on unordered streams made every launch of a CUDA graph that holds collectives wait on
+    the host for the previous one (2x H200, Qwen3-30B-A3B at TP=2 + EP: decode steps of 27.5 ms whose host
+    launch took as long, 15.4 ms without it; docs/BENCHMARKS.md). A rank's collectives here, graph replays and
+    eager calls alike, are all ordered after the work before them on its current stream (c10d's NCCL stream
+    waits for it, and it for them), which is what running without that support asks."""
+    environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
 
 
 def device_layout(devices: list[str], rank: int) -> tuple[int, bool]:

@@ -157,3 +157,15 @@ def test_ranks_agree_on_the_largest_step_and_a_stop_stops_all(two_ranks):
 def test_steps_pad_to_a_graph_size_else_to_a_multiple_of_64():
     sizes = capture_sizes(256)
     assert [padded_step_tokens(n, sizes) for n in (1, 3, 5, 17, 256, 257, 1000)] == [1, 4, 8, 32, 256, 320, 1024]
+
+
+def test_nccl_graph_mixing_is_off_unless_the_user_set_it():
+    """Graph launches that hold collectives must not wait on the host for the previous one (NCCL's graph
+    mixing support did, docs/BENCHMARKS.md); a value from the user is kept."""
+    from engine.parallel.state import nccl_environment
+    environ = {}
+    nccl_environment(environ)
+    assert environ["NCCL_GRAPH_MIXING_SUPPORT"] == "0"
+    environ = {"NCCL_GRAPH_MIXING_SUPPORT": "1"}
+    nccl_environment(environ)
+    assert environ["NCCL_GRAPH_MIXING_SUPPORT"] == "1"
