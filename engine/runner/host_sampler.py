@@ -4,8 +4,8 @@ ATOM_RAY_STEP_TIMING_DIR is set (benchmarks/multi_gpu.py `--host-sample-hz`); it
 step and writes `<name>.host.json` at shutdown.
 
 A thread blocked in C code (a GPU sync, a collective, a lock, a socket) shows the Python frame that called
-it, so the report covers waiting as well as work: for each thread, the share of samples in which a function
-was the innermost Python frame ("self") and in which it was anywhere on the stack ("inclusive"). An engine
+it, so the report covers waiting as well as work: for each thread, the share of samples in which a line was
+the innermost Python frame's ("self") and in which a function was anywhere on the stack ("inclusive"). An engine
 loop whose inclusive share sits mostly in its waits for the device is device-bound; one that spends it in
 scheduling, input preparation or detokenization is what leaves the GPU idle between steps."""
 from __future__ import annotations
@@ -17,8 +17,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 
-def frame_key(code) -> str:
-    return f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})"
+def frame_key(code, line: int | None = None) -> str:
+    """`name (file:line)`: the function's first line, or `line` (the one running: the innermost frame's)."""
+    return f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno if line is None else line})"
 
 
 class HostSampler:
@@ -47,7 +48,7 @@ class HostSampler:
                 continue
             name = names.get(ident, f"thread-{ident}")
             self.samples[name] += 1
-            self.own[name][frame_key(frame.f_code)] += 1
+            self.own[name][frame_key(frame.f_code, frame.f_lineno)] += 1
             seen = set()
             while frame is not None:
                 key = frame_key(frame.f_code)
