@@ -337,9 +337,9 @@ class LLMEngine:
         # preparation, detokenization) overlaps the device's. The runner waits for step N first only
         # where step N+1 needs its tokens on the host (penalties). A step with structured-output rows whose
         # previous token is still on its way collects step N once step N+1's forward pass is launched and
-        # before its sampling inputs are built: the matchers take that token before their masks are filled,
-        # and only the sampling waits for the masks. (Where the plan goes to TP peers with its masks, step N
-        # is collected before the launch.)
+        # before its sampling inputs are built: the matchers take that token, the masks start filling in the
+        # background, step N is detokenized meanwhile, and only the sampling waits for the masks. (Where the
+        # plan goes to TP peers with its masks, step N is collected before the launch.)
         launched = None
         if scheduled is not None:
             grammar = scheduled.structured_output
@@ -347,8 +347,12 @@ class LLMEngine:
             if collect and not self.executor.samples_after_forward:  # the plan goes to the peers with its masks
                 outputs += self._collect()
                 collect = False
-            pending = self.executor.execute_async(
-                scheduled, before_sampling=(lambda: outputs.extend(self._collect())) if collect else None)
+
+            def before_sampling() -> None:
+                updated, output = self._collect_tokens()
+                grammar.start()  # the matchers have step N's tokens: this step's masks can fill
+                outputs.extend(self.process_step(updated, output))
+            pending = self.executor.execute_async(scheduled, before_sampling=before_sampling if collect else None)
             launched = None if scheduled.dummy else (scheduled, pending)
         if self._in_flight is not None:
             outputs += self._collect()
@@ -364,9 +368,13 @@ class LLMEngine:
 
     def _collect(self) -> list[RequestOutput]:
         """The outputs of the step in flight (waiting for its tokens)."""
+        return self.process_step(*self._collect_tokens())
+
+    def _collect_tokens(self) -> tuple[list[Request], RunnerOutput]:
+        """The step in flight's tokens, recorded (update_step), not yet detokenized (process_step)."""
         (scheduled, pending), self._in_flight = self._in_flight, None
         output = pending.result()
-        return self.process_step(self.update_step(scheduled, output), output)
+        return self.update_step(scheduled, output), output
 
     def _grammar_failures(self) -> list[RequestOutput]:
         """The final outputs of requests whose grammar could not be compiled."""

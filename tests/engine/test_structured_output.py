@@ -73,9 +73,12 @@ def test_steps_launched_ahead_wait_for_the_tokens_a_mask_needs(smollm2, monkeypa
     between its forward pass and its sampling (one rank), or before its launch (TP peers need the masks with the
     plan). Forced here on the CPU: the outputs are those of synchronous steps."""
     cases = CASES[1::4]
-    prompts = FREE_PROMPTS + [c.prompt for c in cases]
-    params = [SamplingParams(temperature=0, max_tokens=16)] * len(FREE_PROMPTS) + [constrained(c) for c in cases]
+    city = next(c for c in CASES if c.name == "city")
+    prompts = FREE_PROMPTS + [c.prompt for c in cases] + [city.prompt]
+    params = [SamplingParams(temperature=0, max_tokens=16)] * len(FREE_PROMPTS) + [constrained(c) for c in cases] \
+        + [constrained(city, stop=[","])]  # detokenized while the next step's masks fill: its stop still ends it
     synchronous = smollm2.generate(prompts, params)
+    assert synchronous[-1].finish_reason == "stop"
     engine = smollm2.engine
     executor = engine.executor
     launches = {"callback": 0, "plain": 0}
@@ -92,7 +95,8 @@ def test_steps_launched_ahead_wait_for_the_tokens_a_mask_needs(smollm2, monkeypa
     finally:
         engine._run_ahead = False
     assert [o.token_ids for o in ahead] == [o.token_ids for o in synchronous]
-    check_all(cases, ahead[len(FREE_PROMPTS):])
+    assert [o.finish_reason for o in ahead] == [o.finish_reason for o in synchronous]
+    check_all(cases, ahead[len(FREE_PROMPTS):-1])
     assert (launches["callback"] > 0) == samples_after_forward, launches
 
 
