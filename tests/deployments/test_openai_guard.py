@@ -141,3 +141,43 @@ def test_a_client_that_leaves_is_counted_as_aborted(server, idle_engine, wait_id
         next(line for line in response.iter_lines() if line)
     wait_idle(idle_engine)
     assert aborted() == before + 2
+
+
+class TaskCancelledError(Exception):
+    """Stands in for ray.exceptions.TaskCancelledError (the guard matches it by name)."""
+
+
+def _call_guard(receive_error: BaseException):
+    """The guard around an app that reads the body, then waits for the client's next message (as a streaming
+    response's disconnect listener does), over a receive that raises `receive_error` there."""
+    import asyncio
+
+    from deployments.openai.guard import RequestGuard
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(await receive())
+        await receive()
+
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        raise receive_error
+
+    async def send(message):
+        raise AssertionError("nothing is sent")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(RequestGuard(app, api_key=None)(scope, receive, send))
+    return seen
+
+
+def test_a_request_serve_cancelled_ends_in_the_guard_other_errors_do_not():
+    """Serve cancels a request whose client left by raising TaskCancelledError from its receive; the guard ends
+    the request there rather than letting it reach a future of Serve's that nobody reads."""
+    seen = _call_guard(TaskCancelledError("client gone"))
+    assert seen == [{"type": "http.request", "body": b"{}", "more_body": False}]
+    with pytest.raises(RuntimeError, match="a real failure"):
+        _call_guard(RuntimeError("a real failure"))
