@@ -48,16 +48,7 @@ class RequestGuard:
         except asyncio.TimeoutError:
             return await self._error(scope, send, 408, "The request body did not arrive within "
                                      f"{self.body_read_timeout_s:.0f} s", "request_timeout")
-        replay = _Replay(body, receive)
-        try:
-            await self.app(scope, replay, send)
-        except BaseException as exc:
-            if exc is not replay.gone:
-                raise
-            # Serve cancelled the request (its client left) and its receive raised that into the app, which let
-            # it through: it ends here, or it would end in a future of Serve's that nobody reads ("Future
-            # exception was never retrieved", once per client that gave up while a rank hung).
-            return None
+        await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope) -> bool:
         for name, value in scope["headers"]:
@@ -110,25 +101,18 @@ def _content_length(scope) -> int | None:
     return None
 
 
-class _Replay:
-    """The body as one message, then the client's own messages (its disconnect, for the handlers). `gone`: the
-    exception Serve's receive raised when it cancelled the request (ray's TaskCancelledError), if it did."""
+def _replay(body: bytes, receive):
+    """The body as one message, then the client's own messages (its disconnect, for the handlers)."""
+    sent = False
 
-    def __init__(self, body: bytes, receive) -> None:
-        self.body, self.receive = body, receive
-        self.sent = False
-        self.gone: BaseException | None = None
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
 
-    async def __call__(self):
-        if not self.sent:
-            self.sent = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        try:
-            return await self.receive()
-        except Exception as exc:
-            if type(exc).__name__ == "TaskCancelledError":  # ray.exceptions', without importing Ray here
-                self.gone = exc
-            raise
+    return replayed
 
 
 def _openai_error_body(status: int, message: str, code: str) -> dict:
