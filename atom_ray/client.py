@@ -8,6 +8,7 @@ batch, not one per request (each hop wakes the loop; at batch 16 that was 16 wak
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -34,6 +35,20 @@ def unwrap_ray_error(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
 
+
+async def shielded(future: concurrent.futures.Future):
+    """`future`'s result, awaited so that the caller's cancellation does not cancel it. Its outcome is read
+    even when it comes after the caller has gone: asyncio.shield stops watching the inner future once the
+    outer one is cancelled (Python 3.11), and an error nobody reads is logged as "Future exception was never
+    retrieved" (once per client that gave up while a rank hung: Ray cancels the call late)."""
+    wrapped = asyncio.wrap_future(future)
+    wrapped.add_done_callback(_read_outcome)
+    return await asyncio.shield(wrapped)
+
+
+def _read_outcome(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 class OutputAccumulator:
     """A request's cumulative RequestOutput, built from its OutputDeltas (each a fresh object: earlier ones stay
@@ -138,9 +153,8 @@ class RayEngineClient:
                                                    resume).future()
         try:
             # Shielded: a caller that is cancelled (its HTTP client left) must not cancel the coordinator's call
-            # half-way (asyncio.shield also marks its late error as seen); the request is aborted below
-            # instead, after the add, which the coordinator orders.
-            await asyncio.shield(asyncio.wrap_future(added))
+            # half-way; the request is aborted below instead, after the add, which the coordinator orders.
+            await shielded(added)
         except BaseException as exc:
             # Refused, or this caller was cancelled while the add was under way: the coordinator may have
             # taken the request already, so it is aborted (a no-op for one it never took).

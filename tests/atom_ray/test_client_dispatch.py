@@ -3,6 +3,7 @@ in order, with one hand-over per event loop (not one per request)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 from atom_ray.client import RayEngineClient, _Stream
@@ -118,3 +119,37 @@ def test_a_request_sent_as_the_coordinator_dies_is_an_engine_dead_error(ray_clus
         asyncio.run(send())
     error = from_exception(caught.value)
     assert error.status_code == 503 and "Retry-After" in error.headers
+
+
+def _late_error_messages(await_call) -> list[str]:
+    """What the event loop reports when a caller awaiting `await_call(future)` is cancelled (its client left)
+    and the call fails afterwards (Ray cancels it late)."""
+    import concurrent.futures
+    import gc
+    errors = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _, context: errors.append(context["message"]))
+
+    async def main():
+        call = concurrent.futures.Future()
+        caller = asyncio.ensure_future(await_call(call))
+        await asyncio.sleep(0)
+        caller.cancel()
+        try:
+            await caller
+        except asyncio.CancelledError:
+            pass
+        call.set_exception(RuntimeError("cancelled late"))
+        await asyncio.sleep(0.05)  # the outcome reaches the loop
+    loop.run_until_complete(main())
+    loop.close()
+    gc.collect()
+    return errors
+
+
+def test_a_call_that_fails_after_its_caller_left_is_not_logged_as_never_retrieved():
+    from atom_ray.client import shielded
+    assert _late_error_messages(shielded) == []
+    if sys.version_info >= (3, 11):  # the negative control: from 3.11 shielding alone leaves the late error unread
+        assert _late_error_messages(lambda call: asyncio.shield(asyncio.wrap_future(call))) == \
+            ["Future exception was never retrieved"]
