@@ -182,8 +182,12 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self.speculator = self._speculator(layout)
         # Running a step ahead needs its input before the previous step's tokens are on the host; a
-        # speculating step's drafts follow those tokens, so with speculation each step waits for the last.
-        self._run_ahead = getattr(self.executor, "runs_asynchronously", False) and self.speculator is None
+        # speculating step's drafts follow those tokens, so with speculation each step waits for the last,
+        # except, with n-gram lookup, while no request can draft (`_speculation_off`).
+        asynchronous = getattr(self.executor, "runs_asynchronously", False)
+        self._run_ahead = asynchronous and self.speculator is None
+        self._run_ahead_when_not_drafting = (asynchronous and self.speculator is not None
+                                             and self.speculator.config.method == "ngram")
         self._in_flight = None  # (plan, pending output) of a step launched but not yet collected
         self._ids = itertools.count()
         self.num_prompt_tokens_total = 0
@@ -325,7 +329,10 @@ class LLMEngine:
             compiling = self.scheduler.grammars_compiling()
             if compiling:  # nothing to run until a grammar is ready: wait for one rather than spin
                 wait_for(compiling, IDLE_GRAMMAR_WAIT_S, any_of=True)
-        if not self._run_ahead:
+        # (never a verify step: the plan after it follows how many drafts it kept)
+        ahead = self._run_ahead or (self._run_ahead_when_not_drafting and self._speculation_off()
+                                    and not (scheduled is not None and scheduled.spec_token_ids))
+        if not ahead and self._in_flight is None:
             if scheduled is None:
                 return outputs
             if scheduled.dummy:  # nothing of ours to run: only the other DP ranks' exchanges
@@ -357,7 +364,16 @@ class LLMEngine:
         if self._in_flight is not None:
             outputs += self._collect()
         self._in_flight = launched
+        if not ahead and self._in_flight is not None:  # speculation back on: its drafts need this step's tokens
+            outputs += self._collect()
         return outputs
+
+    def _speculation_off(self) -> bool:
+        """Whether no running request can draft at its next step: more run than disable_by_batch_size, or
+        adaptive speculation has paused every one (then steps may run ahead, as without speculation)."""
+        running = self.scheduler.running
+        limit = self.speculator.config.disable_by_batch_size
+        return limit is not None and len(running) > limit or all(request.spec_paused for request in running)
 
     def _wait_for_new_grammars(self) -> None:
         fresh = [grammar for grammar in self.scheduler.grammars_compiling() if not grammar.waited]

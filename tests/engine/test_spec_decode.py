@@ -193,6 +193,36 @@ def test_speculating_engine_gives_the_tokens_of_one_that_does_not(engines, index
         assert all(o.finish_reason == "length" and len(o.token_ids) == 9 for r in got for o in r.outputs)
 
 
+def test_steps_run_ahead_while_speculation_is_off_and_wait_again_once_it_is_on(engines, monkeypatch):
+    """On a GPU an n-gram engine launches step N+1 before step N's tokens reach the host while no request can
+    draft (more running than disable_by_batch_size, or all paused), and steps one at a time again once one
+    can (never launching ahead of a verify step). Forced here on the CPU: the tokens are those of an engine
+    without speculation, and both kinds of step happen as the batch shrinks below the limit."""
+    plain, _ = engines
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 40, 6, 8)]
+    expected = plain.generate(PROMPTS, params)
+    spec = LLM("smollm2-135m", show_progress=False, dtype="float32",
+               speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    try:
+        engine = spec.engine
+        engine._run_ahead_when_not_drafting = True
+        ahead = []
+        execute_async = engine.executor.execute_async
+
+        def counting(scheduled, before_sampling=None):  # (synchronous steps go through execute)
+            ahead.append(engine._in_flight is not None)
+            assert not (ahead[-1] and engine._in_flight[0].spec_token_ids), "a step launched past a verify step"
+            return execute_async(scheduled, before_sampling)
+        monkeypatch.setattr(engine.executor, "execute_async", counting)
+        got = spec.generate(PROMPTS, params)
+        same_outputs(expected, got)
+        stats = engine.stats()
+        assert sum(ahead) > 0 and stats["spec_draft_tokens"] > 0, (ahead, stats["spec_draft_tokens"])
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and not engine.has_unfinished_requests()
+    finally:
+        spec.shutdown()
+
+
 COPY_TEXT = ("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
              "quebec romeo sierra tango uniform victor whiskey xray yankee zulu")
 COPY_CODE = ("def area(width, height):\n    \"\"\"The area of a rectangle.\"\"\"\n    return width * height\n\n\n"
