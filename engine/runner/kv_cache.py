@@ -1,6 +1,7 @@
 """How much memory the KV cache may take on this device, and how its two pools share it."""
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -10,6 +11,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_spec import FULL_GROUP, CacheGroupLayout, CacheLayout, PagedSpec, StateSpec, group_blocks_for
 
 CPU_KV_CACHE_CAP_BYTES = 4 << 30
+logger = logging.getLogger(__name__)
 
 
 def available_host_memory() -> int:
@@ -38,6 +40,13 @@ def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, ranks_on_d
         budget = usable - (total - free)
         if ranks_on_device > 1:
             budget = min(budget, usable // ranks_on_device - torch.cuda.memory_reserved(device))
+        gib = 1 << 30
+        (logger.warning if budget - activation_peak <= 0 else logger.info)(
+            "KV cache budget %.2f GiB: gpu_memory_utilization %.2f of %.1f GiB = %.1f GiB, less %.1f GiB in use "
+            "(this process: %.1f GiB allocated, weights included)%s, less the activation peak %.2f GiB of the "
+            "profiling pass", max(budget - activation_peak, 0) / gib, config.gpu_memory_utilization, total / gib,
+            usable / gib, (total - free) / gib, torch.cuda.memory_allocated(device) / gib,
+            f", {ranks_on_device} ranks sharing the GPU" if ranks_on_device > 1 else "", activation_peak / gib)
         return max(budget - activation_peak, 0)
     return min(available_host_memory() // 4, CPU_KV_CACHE_CAP_BYTES)
 

@@ -43,3 +43,15 @@ def test_a_rank_with_its_own_gpu_still_reduces_on_the_host_when_others_share_one
     assert device_layout(["gpu-a", "gpu-a"], 1) == (2, True)
     assert device_layout(["gpu-a", "gpu-a", "gpu-b"], 2) == (1, True), "the group's collectives must match"
     assert device_layout(["gpu-a", "gpu-a", "gpu-b"], 0) == (2, True)
+
+
+def test_a_budget_used_up_before_the_cache_says_where_the_memory_went(monkeypatch, caplog):
+    """A model whose weights and activation peak leave nothing for the cache (the engine then refuses with
+    "the KV cache holds 0 blocks") logs the budget's parts, so the cause is in the log."""
+    fake_gpu(monkeypatch, free=20 * GiB, total=80 * GiB, reserved=58 * GiB, peak=15 * GiB)
+    config = EngineConfig(model="x", gpu_memory_utilization=0.9)
+    with caplog.at_level("INFO", logger="engine.runner.kv_cache"):
+        assert kv_cache.kv_cache_budget_bytes(config, torch.device("cuda")) == 0
+    record = next(r for r in caplog.records if r.name == "engine.runner.kv_cache")
+    assert record.levelname == "WARNING"
+    assert "0.00 GiB" in record.message and "60.0 GiB in use" in record.message and "peak 15.00 GiB" in record.message
