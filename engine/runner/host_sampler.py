@@ -7,7 +7,11 @@ A thread blocked in C code (a GPU sync, a collective, a lock, a socket) shows th
 it, so the report covers waiting as well as work: for each thread, the share of samples in which a line was
 the innermost Python frame's ("self") and in which a function was anywhere on the stack ("inclusive"). An engine
 loop whose inclusive share sits mostly in its waits for the device is device-bound; one that spends it in
-scheduling, input preparation or detokenization is what leaves the GPU idle between steps."""
+scheduling, input preparation or detokenization is what leaves the GPU idle between steps.
+
+Each sample holds the GIL while it walks the stacks, which slows the threads it watches (at 200 Hz a TP=2
+engine ran a fifth slower: docs/BENCHMARKS.md); a thread waiting to get the GIL back after a blocking call
+shows as time in that call. Sample at 50 Hz or less."""
 from __future__ import annotations
 
 import json
