@@ -9,8 +9,9 @@ the innermost Python frame's ("self") and in which a function was anywhere on th
 loop whose inclusive share sits mostly in its waits for the device is device-bound; one that spends it in
 scheduling, input preparation or detokenization is what leaves the GPU idle between steps.
 
-Each sample holds the GIL while it walks the stacks, which slows the threads it watches (at 200 Hz a TP=2
-engine ran a fifth slower: docs/BENCHMARKS.md); a thread waiting to get the GIL back after a blocking call
+Each sample holds the GIL while it walks the stacks, which slows the threads it watches (a TP=2
+engine sampled at 200 Hz ran at 1.07x of one GPU against 1.30x unsampled, on two machine starts:
+docs/BENCHMARKS.md); a thread waiting to get the GIL back after a blocking call
 shows as time in that call. Sample at 50 Hz or less."""
 from __future__ import annotations
 
