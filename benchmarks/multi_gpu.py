@@ -265,7 +265,8 @@ def main() -> None:
                         help="trace each rank's kernels over this many full-batch steps of the offline run")
     parser.add_argument("--host-sample-hz", type=float, default=0,
                         help="sample every rank process's Python stacks at this rate (engine/runner/host_sampler.py); "
-                             "50 or less: each sample holds the GIL (at 200, TP=2 ran at 1.07x of one GPU against 1.30x unsampled)")
+                             "50 or less: each sample holds the GIL (at 200, TP=2 ran at 1.07x of one GPU "
+                             "against 1.30x unsampled)")
     parser.add_argument("--check", action="store_true", help="only the tiny-model token check")
     parser.add_argument("--device", default="cuda", help="the check's device (cpu runs it through gloo)")
     parser.add_argument("--out", required=True)
