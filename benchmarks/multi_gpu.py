@@ -177,6 +177,13 @@ def profile_table(results: dict) -> None:
     if rows:
         print_table(["model", "layout", "rank", "step kind", "steps", "tokens", "device ms median",
                      "device s", "gap ms mean", "gap s", "host launch ms"], rows)
+    compiles = [(name, label, rank, t["triton"]["compiled"], f"{t['triton']['compile_s']:.1f}",
+                 ", ".join(f"{k['name']} x{k['compiled']}" for k in t["triton"]["kernels"][:4]))
+                for name, layouts in results.items() for label, r in layouts.items()
+                for rank, t in sorted(r.get("ranks", {}).items()) if "triton" in t]
+    if compiles:  # a layout that compiled inside its timed steps ran slower than a warm one would
+        print_table(["model", "layout", "rank", "Triton variants compiled in timed steps", "seconds",
+                     "kernels"], compiles)
     kernel_table(results)
 
 

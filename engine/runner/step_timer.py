@@ -9,7 +9,9 @@ With `profile_steps` > 0 it also traces the GPU's kernels over that many consecu
 `profile_skip` steps after the first step that schedules `profile_min_seqs` sequences or more (an offline
 run's full batches, not a warm-up's), and writes `<name>.kernels.json`: the window's wall time, the sum of
 its kernels' device time, and the kernels that took the most device time, so a large-batch step that falls
-short says which operations it spends its time on."""
+short says which operations it spends its time on. At shutdown the report also says which Triton kernel
+variants were compiled during the recorded steps (engine/runner/compile_log.py): seconds of compiling inside
+a timed run, which a cold cache costs only the first layout run on a fresh machine."""
 from __future__ import annotations
 
 import json
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.core.scheduler_output import SchedulerOutput
+from engine.runner.compile_log import COMPILES
 
 MAX_RECORDS = 50_000  # two CUDA events each; steps past this are not recorded
 
@@ -81,6 +84,8 @@ class StepTimer:
         self._profile_at: int | None = None  # the step number the trace starts at, once the trigger is seen
         self._profiler = None
         self._profile_started = 0.0
+        COMPILES.install()
+        self._compiles_from: int | None = None  # the compile log's length when recording began
 
     def _trace(self, scheduled: SchedulerOutput) -> None:
         """Start or stop the kernel trace around the step about to launch (step number `self.seen`)."""
@@ -111,6 +116,8 @@ class StepTimer:
         self._trace(scheduled)
         if self.seen <= self.skip or len(self.records) >= MAX_RECORDS:
             return fn()
+        if self._compiles_from is None:
+            self._compiles_from = len(COMPILES.events)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         host_start = time.perf_counter()
         start.record()
@@ -136,5 +143,6 @@ class StepTimer:
             report["whole_run"] = summary(rows)
             report["by_kind"] = {kind: summary([r for r in rows if r[0] == kind])
                                  for kind in sorted({r[0] for r in rows})}
+            report["triton"] = COMPILES.report(since=self._compiles_from or 0)  # during the recorded steps
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(report))

@@ -150,3 +150,31 @@ def test_no_trace_without_profile_steps(fake_cuda, tmp_path, monkeypatch):
     for _ in range(50):
         timer.launch(plan({"a": 1, "b": 1}), lambda: None)
     assert not (tmp_path / "r.kernels.json").exists()
+
+
+def test_the_compile_log_times_each_variant_and_tells_compiles_from_loads(monkeypatch):
+    import time
+
+    from engine.runner import compile_log
+    monkeypatch.setattr(compile_log, "COMPILE_S", 0.05)
+
+    class FakeJIT:  # Triton's JITFunction: _do_compile makes or loads one variant
+        def __init__(self, name, seconds):
+            self.__name__, self.seconds = name, seconds
+
+        def _do_compile(self, *args):
+            time.sleep(self.seconds)
+            return args
+
+    log = compile_log.CompileLog()
+    assert log.install(FakeJIT) and log.install(FakeJIT)  # a second install does not wrap twice
+    slow, fast = FakeJIT("_decode_reduce_kernel", 0.06), FakeJIT("_prefill_kernel", 0.0)
+    assert slow._do_compile(1, 2) == (1, 2)
+    fast._do_compile()
+    slow._do_compile()
+    report = log.report()
+    assert report["variants"] == 3 and report["compiled"] == 2 and report["compile_s"] >= 0.12
+    assert report["kernels"] == [{"name": "_decode_reduce_kernel", "compiled": 2,
+                                  "seconds": report["kernels"][0]["seconds"]}]
+    assert log.report(since=2)["compiled"] == 1
+    assert not compile_log.CompileLog().install(type("NoJIT", (), {}))

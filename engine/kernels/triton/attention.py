@@ -136,7 +136,7 @@ def _prefill_tile(acc, m, l, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_ta
     return acc, m_new, l
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, query_start_ptr, seq_lens_ptr,
                     block_table_ptr, sinks_ptr, first_seq, num_kv_heads, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                     stride_bt, scale_log2, window, softcap_log2,

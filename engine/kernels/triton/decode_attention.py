@@ -19,6 +19,10 @@ from engine.kernels.triton.common import (LOG2E, key_scores, kv_quant_args, page
 # split-K decode and its reduction as three (benchmarks/kernel_variants.py times both in one run).
 FUSED_DECODE = True
 _MAX_SPLITS = 64
+# Arguments that change from step to step (the split count, the block table's width, the index of the first
+# prefill) are not specialized by Triton (`do_not_specialize`, here and in attention.py): each divisibility
+# class would be compiled on its first use, seconds each, in the middle of a served step (a GPU run's step
+# loop spent 28 % of its time compiling such variants: docs/BENCHMARKS.md).
 
 
 @triton.jit
@@ -90,7 +94,7 @@ def _tiles_per_split(num_tiles, num_splits, min_tiles_per_split):
     return tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles_per_split)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                    seq_lens_ptr, block_table_ptr, sinks_ptr, num_kv_heads, min_tiles_per_split, num_splits,
                    sq_t, sq_h, so_t, so_h, stride_bt, scale_log2, window, softcap_log2,
@@ -130,7 +134,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ou
         tl.store(part_ml_ptr + part * 2 + 1, l[:, None], mask=g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, sinks_ptr, num_heads, min_tiles_per_split,
                           num_splits, so_t, so_h, window,
                           HEAD_SIZE: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -200,7 +204,7 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, first_head, used, num_splits, sin
     return acc / l
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _fused_decode_kernel(pos_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                          out_ptr, slot_ptr, table_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_ml_ptr,
                          counter_ptr, sinks_ptr, num_kv_heads, min_tiles_per_split, num_splits,
@@ -316,6 +320,12 @@ def decode_plan(metadata, num_kv_heads: int, block_n: int, window: int | None = 
     return plan
 
 
+def splits_pad(num_splits: int) -> int:
+    """The reduction's split tile: 8 up to 8 splits, else room for _MAX_SPLITS; two compiled variants in all
+    (a size per power of two compiled up to seven while a server ran, each compile taking seconds)."""
+    return 8 if num_splits <= 8 else triton.next_power_of_2(_MAX_SPLITS)
+
+
 def _partials(num_decodes: int, num_heads: int, num_splits: int, head_size: int, device):
     """Each split's unnormalised output and its (max, sum), fp32."""
     return (torch.empty(num_decodes, num_heads, num_splits, head_size, dtype=torch.float32, device=device),
@@ -348,7 +358,7 @@ def decode(query, k_cache, v_cache, out, metadata, num_kv_heads, group, head_siz
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_acc, part_ml, out, metadata.seq_lens, extra["sinks"], num_heads, min_tiles, num_splits,
             out.stride(0), out.stride(1), extra["window"],
-            HEAD_SIZE=head_size, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+            HEAD_SIZE=head_size, D_PAD=d_pad, SPLITS_PAD=splits_pad(num_splits), BLOCK_N=block_n,
             WINDOWED=extra["flags"]["WINDOWED"], SINKS=extra["flags"]["SINKS"],
             num_warps=4, **pdl.launch_options(out))
 
