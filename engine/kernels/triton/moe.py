@@ -2,7 +2,9 @@
 pairs sorted by expert, and a fused softmax top-k router. Contracts and numerics: engine/kernels/torch/moe.py.
 
 Nothing here reads a device value on the host, and every shape follows from the inputs' shapes alone, so a
-decode step that calls these can be captured in a CUDA graph.
+decode step that calls these can be captured in a CUDA graph. Token and pair counts, which change from step
+to step, are not specialized on (`do_not_specialize`): an eager step would otherwise compile a variant per
+divisibility class the first time it met one (engine/kernels/triton/decode_attention.py says more).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from engine.kernels.triton.common import dot, gelu_tanh
 # ---- routing ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits,
                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -125,14 +127,14 @@ def _pair_groups(ids_ptr, pairs, mask, num_experts):
     return tl.where(experts < 0, num_experts, experts)  # -1 (no local expert) -> E: sorts after the experts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_pairs_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK_P: tl.constexpr):
     pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask = pairs < num_pairs
     tl.atomic_add(counts_ptr + _pair_groups(ids_ptr, pairs, mask, num_experts), 1, mask=mask, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _place_pairs_kernel(ids_ptr, counts_ptr, cursors_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs,
                         num_experts, num_blocks, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
@@ -254,7 +256,7 @@ def add_down_bias(acc, b2_ptr, expert, stride_be, features, feature_mask, dtype:
     return acc.to(dtype).to(tl.float32) + bias.to(tl.float32)[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
                     top_k, stride_x, stride_we, stride_wn, num_n_blocks, limit, b13_ptr, stride_be, alpha,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
@@ -307,7 +309,7 @@ def store_silu_and_mul(act_ptr, gate, up, pairs, valid, features, feature_mask, 
              mask=valid[:, None] & feature_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(act_ptr, w2_ptr, expert_out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, hidden, inter,
                  stride_we, stride_wn, num_n_blocks, b2_ptr, stride_be,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "first_row", "valid"])
 def _route_mask_kernel(weights_ptr, ids_ptr, weights_out, ids_out, counts_ptr, valid_ptr, num_rows, first_row,
                        valid, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, VALID_ON_DEVICE: tl.constexpr,
                        COUNT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -44,7 +44,7 @@ def moe_route_mask(weights: torch.Tensor, ids: torch.Tensor, first_row: int, val
     return weights_out, ids_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _local_slots_kernel(routing_ptr, stride_routing, ids_out, weights_out, counts_ptr, num_rows, expert_start,
                         num_local, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, COUNT: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
