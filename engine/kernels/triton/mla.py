@@ -100,7 +100,7 @@ def latent_tile(acc, m, l, q_lat, q_pe, entry_ptrs, valid, dl, dr, scale_log2,
     return acc, m_new, l
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, kv_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
                    block_table_ptr, num_heads, min_tiles, num_splits, sql_b, sql_h, sqp_b, sqp_h, s_block, s_entry,
                    so_b, so_h, stride_bt, scale_log2,
@@ -150,7 +150,7 @@ def _decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, kv_scale_ptr, out_ptr, part_o
             tl.store(part_lse_ptr + rows, m + tl.math.log2(l), mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_heads, min_tiles, num_splits,
                           so_b, so_h, L: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS_PAD: tl.constexpr,
                           SPLIT_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -179,7 +179,7 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num
     tl.store(out_ptr + seq * so_b + head * so_h + dl, out.to(out_ptr.dtype.element_ty), mask=dl < L)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq"])
 def _prefill_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, k_pe_ptr, out_ptr, query_start_ptr, seq_lens_ptr, kv_start_ptr,
                     first_seq, sqn_t, sqn_h, sqp_t, sqp_h, skv_t, skv_h, skp_t, so_t, so_h, scale_log2,
                     N: tl.constexpr, R: tl.constexpr, V: tl.constexpr, N_PAD: tl.constexpr, R_PAD: tl.constexpr,
@@ -331,7 +331,8 @@ def decode_latent(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
         PAGE_SIZE=kv_cache.shape[1], SINGLE_SPLIT=single, QUANT=quant, UPCAST=upcast(q_latent), num_warps=num_warps,
         num_stages=num_stages)
     if not single:
-        splits_pad = triton.next_power_of_2(num_splits)
+        # two tile sizes in all (one per power of two was compiled on first use, mid-run)
+        splits_pad = REDUCE_CHUNK if num_splits <= REDUCE_CHUNK else triton.next_power_of_2(MAX_SPLITS)
         block_l = min(128, triton.next_power_of_2(kv_lora_rank))
         _decode_reduce_kernel[(num_seqs, num_heads, triton.cdiv(kv_lora_rank, block_l))](
             part_out, part_lse, out, seq_lens, num_heads, min_tiles, num_splits, out.stride(0), out.stride(1),
