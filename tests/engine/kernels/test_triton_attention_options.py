@@ -117,3 +117,14 @@ def test_negative_controls_fail():
     with_sinks = AttentionOptions(sinks=sinks(4))
     actual, expected, _ = run(DECODES, with_sinks, reference_options=AttentionOptions())
     assert not torch.allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_mixed_step_with_more_than_eight_decode_splits_takes_the_wide_reduction():
+    """The split reduction compiles two tile sizes (up to 8 splits, and up to the most): a mixed step whose
+    long decodes take more than 8 splits goes through the wide one, sinks included."""
+    from engine.kernels.triton import decode_attention
+    seqs = [(300, 1), (180, 1), (0, 20)]  # two decodes with long contexts, one prefill
+    actual, expected, metadata = run(seqs, AttentionOptions(sinks=sinks(4)), num_sms=512, min_split_tokens=16)
+    assert_close(actual, expected)
+    num_splits, _ = next(iter(metadata._decode_plans.values()))
+    assert num_splits > 8 and decode_attention.splits_pad(num_splits) == 64
