@@ -6,7 +6,10 @@ batch-1 decode tokens/s (128-token prompt, 256 new tokens: the best of three gen
 three prefills), the time to start and to shut down, what each DP rank's lockstep agreement cost, the expert
 load per EP rank over the run, and each rank's device time per decode step against its idle gaps
 (engine.runner.step_timer.StepTimer: over the batch-1 run, and by step kind over the whole layout's run).
-Every ratio is against the one-GPU engine of the same model in the same run.
+Every ratio is against the one-GPU engine of the same model in the same run, which runs after the model's
+other layouts: on a fresh machine the first layout compiles the Triton variants the others then load from the
+disk cache, so a baseline run first is slowed and every ratio against it flatters the layout (the table of
+variants compiled in timed steps shows what a layout paid; docs/BENCHMARKS.md, issue 26).
 
     python -m benchmarks.multi_gpu --out multi.json [--models qwen3-30b-a3b,deepseek-v2-lite,llama-3.1-8b]
     python -m benchmarks.multi_gpu --check --out check.json     # tiny float32 MoE: every layout's greedy tokens
@@ -121,7 +124,8 @@ def benchmark(args) -> dict:
         prompts, output_lens = prompts[:args.num_requests], output_lens[:args.num_requests]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
         results[name] = {}
-        for label, layout in LAYOUTS[name].items():
+        # The baseline last: it must not be the one that pays for a cold compile cache.
+        for label, layout in sorted(LAYOUTS[name].items(), key=lambda item: item[0] == "1 GPU"):
             if args.layouts and label not in args.layouts.split(","):
                 continue
             try:
@@ -139,7 +143,7 @@ def table(results: dict) -> None:
     rows = []
     for name, layouts in results.items():
         base = layouts.get("1 GPU", {})
-        for label, r in layouts.items():
+        for label, r in sorted(layouts.items(), key=lambda item: item[0] != "1 GPU"):  # the baseline's row first
             if "error" in r:
                 rows.append((name, label, "error", "", "", "", "", "", r["error"][:60]))
                 continue
