@@ -6,7 +6,8 @@
 # a layout, the serving step (an offline engine, then the Serve app: ready after ~170 s) over 230 s. Run it
 # as three device calls of under 10 minutes each: PART=1, PART=2, PART=3; prompt-step graphs against
 # eager prompt steps: PART=prompt-check, PART=prompt-qwen3, PART=prompt-llama; the Qwen3 layouts with
-# each rank's host stacks sampled: PART=diag-qwen3.
+# each rank's host stacks sampled: PART=diag-qwen3; issue 26's figures with the baselines run last and the
+# compiles in timed steps reported: PART=clean-qwen3, PART=clean-rest.
 # Needs Ray on PYTHONPATH (the README's offline bundle).
 set -u
 OUT=${OUT:-/tmp/multi_gpu_out}
@@ -45,6 +46,13 @@ elif [ "$PART" = ep-variants ]; then  # TP=2 + EP: as is (mixing off), with NCCL
 elif [ "$PART" = no-mixing ]; then  # NCCL's graph mixing off (the default since): tokens, then the layouts
   run check 190 $M --check --layouts "1 GPU,TP=2 + EP,DP=2 + EP=2" --out "$OUT/check.json"
   run qwen3 385 $M --models qwen3-30b-a3b --layouts "1 GPU,TP=2,DP=2 + EP=2" --out "$OUT/qwen3.json"
+elif [ "$PART" = clean-qwen3 ]; then  # issue 26's Qwen3 layouts, the baseline last, compiles reported
+  run qwen3 480 $M --models qwen3-30b-a3b --out "$OUT/qwen3.json" --layouts "1 GPU,TP=2,TP=2 + EP,DP=2 + EP=2"
+  run check 100 $M --check --layouts "1 GPU,DP=2 + EP=2" --out "$OUT/check.json"
+elif [ "$PART" = clean-rest ]; then  # DeepSeek-V2-Lite and Llama-3.1-8B on the same 256 requests per layout
+  run deepseek 250 $M --models deepseek-v2-lite --num-requests 256 --out "$OUT/deepseek.json"
+  run llama 300 $M --models llama-3.1-8b --num-requests 256 --out "$OUT/llama.json" \
+      --layouts "1 GPU,TP=2,1 GPU (prompt-step graphs),TP=2 (prompt-step graphs)"
 elif [ "$PART" = prompt-llama ]; then
   run llama 400 $M --models llama-3.1-8b --num-requests 256 --out "$OUT/llama.json"
 else
