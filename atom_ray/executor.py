@@ -71,8 +71,9 @@ class RayExecutor:
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         return self.execute_async(scheduled).result()
 
-    def step_needs_eager(self, scheduled: SchedulerOutput) -> bool:
-        return self.worker.runner.step_needs_eager(scheduled)
+    def step_mode(self, scheduled: SchedulerOutput) -> tuple[int, bool]:
+        runner = self.worker.runner
+        return runner.step_mode(scheduled), runner.prompt_graphs is None
 
     def expert_load(self) -> dict | None:
         """Rank 0's report: under expert parallelism it counts the whole EP group's routing."""

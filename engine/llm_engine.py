@@ -49,7 +49,8 @@ class Executor(Protocol):
     def execute_async(self, scheduled: SchedulerOutput, before_sampling=None): ...
     @property
     def samples_after_forward(self) -> bool: ...
-    def step_needs_eager(self, scheduled: SchedulerOutput) -> bool: ...
+    # (engine/lockstep.py's mode for this rank's step, and whether it has no prompt-step graphs)
+    def step_mode(self, scheduled: SchedulerOutput) -> tuple[int, bool]: ...
     def expert_load(self) -> dict | None: ...
     def shutdown(self) -> None: ...
 
@@ -90,8 +91,8 @@ class InProcessExecutor:
         needs the plan, structured-output masks included, before the launch)."""
         return True
 
-    def step_needs_eager(self, scheduled: SchedulerOutput) -> bool:
-        return self.runner.step_needs_eager(scheduled)
+    def step_mode(self, scheduled: SchedulerOutput) -> tuple[int, bool]:
+        return self.runner.step_mode(scheduled), self.runner.prompt_graphs is None
 
     def expert_load(self) -> dict | None:
         return self.runner.expert_load.report() if self.runner.expert_load is not None else None
@@ -412,12 +413,12 @@ class LLMEngine:
         some rank stops (`lockstep_status` says which)."""
         busy = not scheduled.is_empty or bool(scheduled.finished_request_ids) or self.has_unfinished_requests()
         status = STOP if self.stop_requested else BUSY if busy else IDLE
-        eager = not scheduled.is_empty and self.executor.step_needs_eager(scheduled)
-        agreed = self.lockstep.agree(status, scheduled.total_num_scheduled_tokens, eager)
+        mode, without_prompt_graphs = self.executor.step_mode(scheduled)
+        agreed = self.lockstep.agree(status, scheduled.total_num_scheduled_tokens, mode, without_prompt_graphs)
         self.lockstep_status = agreed.status
         if agreed.status != BUSY:
             return None
-        scheduled.ep_num_tokens, scheduled.ep_eager = agreed.num_tokens, agreed.eager
+        scheduled.ep_num_tokens, scheduled.ep_mode = agreed.num_tokens, agreed.mode
         scheduled.dummy = scheduled.is_empty  # runs a forward pass all the same
         return scheduled
 

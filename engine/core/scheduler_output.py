@@ -44,9 +44,10 @@ class SchedulerOutput:
     # token exchanges.
     dummy: bool = False
     # Expert parallelism across DP ranks: the most tokens any DP rank runs in this step (every rank's MoE
-    # exchanges pad to it; 0: this step's own count), and whether some DP rank runs it eagerly (then all do).
+    # exchanges pad to it; 0: this step's own count), and how every rank runs it (engine/lockstep.py: None
+    # without lockstep, each rank's own choice; else the group's DECODE_GRAPH, PROMPT_GRAPHS or EAGER).
     ep_num_tokens: int = 0
-    ep_eager: bool = False
+    ep_mode: int | None = None
     # Structured output: the token masks of the rows that sample under a grammar (filled while the forward
     # pass runs; a plan sent to other ranks carries them filled).
     structured_output: StepGrammar | None = None

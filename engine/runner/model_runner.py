@@ -21,6 +21,7 @@ from engine.kv_cache_spec import FULL_GROUP, CacheGroupMetadata, CacheLayout, Pa
 from engine.layers.attention import Attention, KVCacheLayer
 from engine.layers.fused_moe import uncapturable_exchanges
 from engine.layers.sampler import Sampler, compute_logprobs
+from engine.lockstep import DECODE_GRAPH, EAGER, PROMPT_GRAPHS
 from engine.loader import ModelSource, build_model
 from engine.parallel import enable_fused_all_reduce_norm, get_parallel_state
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_step_tokens, uncapturable_layers
@@ -35,6 +36,23 @@ from engine.runner.prompt_graphs import PromptGraphs, capture_prompt_graphs
 
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
+
+
+def step_path(mode: int | None, tokens: int, decode_only: bool, graphs, prompt_graphs,
+              step_buckets: list[int]) -> tuple[str, int]:
+    """How a step of `tokens` (the EP group's largest) runs: ("decode", the decode graph's size), ("prompt",
+    the prompt-step chain's bucket) or ("eager", the token count its MoE exchanges pad to). `mode`: the
+    lockstep group's agreement (engine/lockstep.py), which with `tokens` alone decides it, so that every DP
+    rank, one with nothing to run included, takes the same path with the same exchange sizes; None without
+    lockstep: this rank's own step (`decode_only`) decides."""
+    if mode is None:
+        mode = DECODE_GRAPH if decode_only else PROMPT_GRAPHS
+    if mode == DECODE_GRAPH and graphs is not None and tokens <= graphs.max_batch:
+        return "decode", graphs.padded_size(tokens)
+    bucket = prompt_graphs.bucket(tokens) if prompt_graphs is not None and mode != EAGER else None
+    if bucket is not None:
+        return "prompt", bucket
+    return "eager", padded_step_tokens(tokens, step_buckets)
 
 
 def _log_once(message: str) -> None:
@@ -248,7 +266,7 @@ class ModelRunner:
         if self.graphs is not None and self.config.cuda_graph_prompt_steps != "off":
             self.prompt_graphs = capture_prompt_graphs(self.model, self.cache_layers, self.block_size,
                                                        self.config.max_num_batched_tokens or 8192, self.dtype,
-                                                       state.dp_size, self.config.cuda_graph_prompt_steps)
+                                                       self.config.cuda_graph_prompt_steps)
         if self.expert_load is not None:
             self.expert_load.reset()
         return layout
@@ -342,46 +360,50 @@ class ModelRunner:
         while self._unresolved and self._unresolved[0].step <= step:
             self._unresolved.popleft()._record()
 
-    def step_needs_eager(self, scheduled: SchedulerOutput) -> bool:
-        """Whether `scheduled` runs eagerly rather than from a decode graph (before it is launched): lockstep
-        DP ranks run a step from graphs only where every rank can (engine/lockstep.py)."""
-        return self.graphs is None or not self.graphs.can_replay(scheduled, self.requests)
+    def step_mode(self, scheduled: SchedulerOutput) -> int:
+        """How this rank can run `scheduled` (before it is launched; lockstep DP ranks vote it and all run the
+        step the one way every rank can, engine/lockstep.py): DECODE_GRAPH, PROMPT_GRAPHS or EAGER. A rank with
+        nothing to run can follow the others in any way it has graphs for."""
+        if scheduled.is_empty:
+            return DECODE_GRAPH if self.graphs is not None else PROMPT_GRAPHS if self.prompt_graphs else EAGER
+        if self.graphs is not None and self.graphs.can_replay(scheduled, self.requests):
+            return DECODE_GRAPH
+        if self.prompt_graphs is not None and self.prompt_graphs.bucket(scheduled.total_num_scheduled_tokens):
+            return PROMPT_GRAPHS
+        return EAGER
 
     def _step_tokens(self, scheduled: SchedulerOutput) -> int:
         """The most tokens of this step on any rank of the EP group: every rank's MoE exchanges pad to it."""
         return max(scheduled.ep_num_tokens, scheduled.total_num_scheduled_tokens, 1)
 
-    def _graph_size(self, scheduled: SchedulerOutput, host: HostInputs | None) -> int | None:
-        """The decode graph that runs this step (padded to the EP group's largest step), or None: eager."""
-        tokens = self._step_tokens(scheduled)
-        if self.graphs is None or host is not None and not host.is_decode_only:
-            return None
-        if scheduled.ep_eager or tokens > self.graphs.max_batch:
-            _log_once(f"decode steps of the EP group's largest batch above the graphs' {self.graphs.max_batch} rows "
-                      "run eagerly" if tokens > self.graphs.max_batch else
-                      "a decode step ran eagerly: another DP rank's step in lockstep was eager")
-            return None
-        return self.graphs.padded_size(tokens)
+    def _step_path(self, scheduled: SchedulerOutput, host: HostInputs | None) -> tuple[str, int]:
+        path = step_path(scheduled.ep_mode, self._step_tokens(scheduled), host is not None and host.is_decode_only,
+                         self.graphs, self.prompt_graphs, self.step_buckets)
+        if path[0] == "eager" and self.graphs is not None and host is not None and host.is_decode_only:
+            _log_once("a decode step ran eagerly: its EP group's largest batch is above the decode graphs' "
+                      f"{self.graphs.max_batch} rows, or another DP rank in lockstep ran its step eagerly")
+        return path
 
     def _dummy_forward(self, scheduled: SchedulerOutput) -> None:
         """The forward pass of a lockstep step on a DP rank that has nothing to run: only padding rows, no
         cache writes, no sampling; its MoE layers join the other ranks' exchanges, padded as theirs are."""
-        size = self._graph_size(scheduled, None)
-        self.last_step_replayed = size is not None
-        if size is not None:
+        kind, size = self._step_path(scheduled, None)
+        self.last_step_replayed = kind != "eager"
+        if kind == "decode":
             self.graphs.run_dummy(size)
+        elif kind == "prompt":
+            self.prompt_graphs.run_dummy(size)
         else:
             token = torch.zeros(1, dtype=torch.int64, device=self.device)
-            moe = MoEStep(padded_step_tokens(self._step_tokens(scheduled), self.step_buckets), valid_tokens=0)
-            with forward_context(None, self.block_size, moe):  # attention skips a pass without metadata
+            with forward_context(None, self.block_size, MoEStep(size, valid_tokens=0)):  # attention skips it
                 self.model(token, token)
         if self.expert_load is not None:
             self.expert_load.step()
 
     def _forward(self, host: HostInputs, scheduled: SchedulerOutput) -> torch.Tensor:
-        size = self._graph_size(scheduled, host)
-        self.last_step_replayed = size is not None
-        if size is not None:
+        kind, size = self._step_path(scheduled, host)
+        self.last_step_replayed = kind == "decode"
+        if kind == "decode":
             return self.graphs.run(host, self._last_sampled, size)
         input_ids = self._to_device(host.input_ids)
         if host.pending_positions:
@@ -395,12 +417,9 @@ class ModelRunner:
                                             self._group_keys)
         verify = (tuple(index for index, request in enumerate(host.requests) if request.spec_token_ids)
                   if scheduled.spec_token_ids else ())
-        tokens = self._step_tokens(scheduled)
-        bucket = self.prompt_graphs.bucket(tokens) if self.prompt_graphs else None
-        if bucket is not None and not scheduled.ep_eager:
-            return self.prompt_graphs.run(input_ids, positions, metadata, bucket, verify)
-        moe = MoEStep(padded_step_tokens(tokens, self.step_buckets))
-        with forward_context(metadata, self.block_size, moe, verify):
+        if kind == "prompt":
+            return self.prompt_graphs.run(input_ids, positions, metadata, size, verify)
+        with forward_context(metadata, self.block_size, MoEStep(size), verify):
             return self.model(input_ids, positions)
 
     def keep_verified(self, slot: int, num_kept: int) -> None:

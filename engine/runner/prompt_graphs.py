@@ -187,22 +187,34 @@ class PromptGraphs:
             chain.graphs[-1].replay()
         return chain.output[:rows]
 
+    def run_dummy(self, size: int) -> None:
+        """A lockstep DP rank's step with nothing to run, replayed from bucket `size`'s chain as the other
+        ranks replay theirs: padding rows only (no attention metadata, so the calls between the graphs give
+        zeros for one row; the MoE layers route none of them), so that its exchanges join the others'."""
+        self.valid_tokens.fill_(0)
+        chain = self.chains[size]
+        with forward_context(None, self.block_size, MoEStep(size, self.valid_tokens)):
+            for graph, call in zip(chain.graphs, chain.calls):
+                graph.replay()
+                call(1)
+            chain.graphs[-1].replay()
+
     def release(self) -> None:
         self.chains.clear()
 
 
 
 def capture_prompt_graphs(model, cache_layers, block_size: int, max_num_batched_tokens: int, dtype: torch.dtype,
-                          dp_size: int, mode: str = "auto") -> PromptGraphs | None:
-    """The chains for a model whose cache layers are all `Attention` (the layers that split them), in an
-    engine of one DP rank (a lockstep DP engine's idle ranks would need the same chains for their dummy
-    steps); with `mode` "auto", for mixture-of-experts models only. None, with the reason logged, where
-    steps with prompt tokens stay eager."""
+                          mode: str = "auto") -> PromptGraphs | None:
+    """The chains for a model whose cache layers are all `Attention` (the layers that split them); with
+    `mode` "auto", for mixture-of-experts models only. Every rank of a lockstep DP engine captures the same
+    buckets in the same order (their capture passes exchange tokens), and replays one bucket in a step, an
+    idle rank its padding rows (`run_dummy`). None, with the reason logged, where steps with prompt tokens
+    stay eager."""
     others = sorted({type(m).__name__ for m in cache_layers if not isinstance(m, Attention)})
     dense = mode == "auto" and not any(isinstance(m, FusedMoE) for m in model.modules())
-    if others or dp_size > 1 or dense:
+    if others or dense:
         reason = (f"{', '.join(others)} layers do not split prompt-step graphs" if others
-                  else "data-parallel lockstep" if dp_size > 1
                   else "a dense model (cuda_graph_prompt_steps='auto' turns them on for MoE models)")
         logger.info("steps with prompt tokens run eagerly: %s", reason)
         return None

@@ -13,7 +13,7 @@ from gloo_ranks import run_two_ranks
 from engine.forward_context import MoEStep, forward_context
 from engine.kernels.torch import moe as torch_moe
 from engine.layers.fused_moe import FusedMoE, RouterConfig
-from engine.lockstep import BUSY, IDLE, STOP, Lockstep
+from engine.lockstep import BUSY, DECODE_GRAPH, EAGER, IDLE, PROMPT_GRAPHS, STOP, Lockstep
 from engine.parallel import state as parallel_state
 from engine.parallel.all_to_all import ExpertPlacement, GatherScatterExchange, PaddedAllToAll, StepExchange
 from engine.runner.cuda_graphs import capture_sizes, padded_step_tokens
@@ -104,9 +104,9 @@ def _worker(rank: int, init_method: str, out_dir: str) -> None:
     # The lockstep agreement among the DP leaders.
     parallel_state._state.dp_leaders_group = dist.group.WORLD
     lockstep = Lockstep()
-    results["agree"] = [lockstep.agree(BUSY if rank == 0 else IDLE, [13, 2][rank], rank == 1),
-                        lockstep.agree(IDLE, 0, False),
-                        lockstep.agree(STOP if rank == 1 else BUSY, 1, False)]
+    results["agree"] = [lockstep.agree(BUSY if rank == 0 else IDLE, [13, 2][rank], [DECODE_GRAPH, EAGER][rank]),
+                        lockstep.agree(IDLE, 0, DECODE_GRAPH),
+                        lockstep.agree(STOP if rank == 1 else BUSY, 1, [PROMPT_GRAPHS, DECODE_GRAPH][rank])]
     results["lockstep_stats"] = lockstep.stats()
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -148,9 +148,9 @@ def test_the_all_gather_form_over_one_shot_all_reduces_matches_the_whole_layer(t
 def test_ranks_agree_on_the_largest_step_and_a_stop_stops_all(two_ranks):
     for rank in range(2):
         busy, idle, stop = two_ranks[rank]["agree"]
-        assert (busy.status, busy.num_tokens, busy.eager) == (BUSY, 13, True)  # rank 1 alone must run eagerly
-        assert (idle.status, idle.num_tokens, idle.eager) == (IDLE, 0, False)
-        assert stop.status == STOP
+        assert (busy.status, busy.num_tokens, busy.mode) == (BUSY, 13, EAGER)  # rank 1 alone must run eagerly
+        assert busy.eager and (idle.status, idle.num_tokens, idle.mode) == (IDLE, 0, DECODE_GRAPH)
+        assert (stop.status, stop.mode) == (STOP, PROMPT_GRAPHS) and not stop.eager
         assert two_ranks[rank]["lockstep_stats"]["lockstep_votes"] == 3
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.forward_context import get_forward_context
 from engine.runner.prompt_graphs import non_owning, prompt_buckets
 
 
@@ -35,3 +36,81 @@ def test_the_switch_takes_auto_on_or_off():
     for wrong in ("no", False, None):
         with pytest.raises(ConfigError, match="cuda_graph_prompt_steps"):
             EngineConfig(model="m", cuda_graph_prompt_steps=wrong)
+
+
+class _Graphs:
+    """Decode graphs up to 256 rows (sizes as capture_sizes gives them)."""
+    max_batch = 256
+
+    @staticmethod
+    def padded_size(tokens):
+        from engine.runner.cuda_graphs import capture_sizes, padded_step_tokens
+        return padded_step_tokens(tokens, capture_sizes(256))
+
+
+class _Buckets:
+    sizes = prompt_buckets(8192)
+
+    def bucket(self, tokens):
+        return next((size for size in self.sizes if size >= tokens), None)
+
+
+def test_every_lockstep_rank_takes_the_agreed_path_with_the_same_exchange_size():
+    """Under lockstep the agreed mode and token count alone decide how a step runs, so a busy rank (its own
+    step decode-only or not) and an idle rank (no step of its own) replay the same decode graph size or prompt
+    bucket, or pad their eager exchanges alike; without lockstep the rank's own step decides."""
+    from engine.lockstep import DECODE_GRAPH, EAGER, PROMPT_GRAPHS
+    from engine.runner.cuda_graphs import capture_sizes
+    from engine.runner.model_runner import step_path
+    graphs, prompt, buckets = _Graphs(), _Buckets(), capture_sizes(256)
+    for mode, tokens, expected in [(DECODE_GRAPH, 7, ("decode", 8)), (DECODE_GRAPH, 200, ("decode", 208)),
+                                   (PROMPT_GRAPHS, 7, ("prompt", 64)), (PROMPT_GRAPHS, 600, ("prompt", 768)),
+                                   (PROMPT_GRAPHS, 8192, ("prompt", 8192)), (EAGER, 600, ("eager", 640)),
+                                   (EAGER, 7, ("eager", 8))]:
+        paths = {step_path(mode, tokens, decode_only, graphs, prompt, buckets) for decode_only in (True, False)}
+        assert paths == {expected}, (mode, tokens)
+    # a rank without prompt-step graphs (lockstep makes the group run such a step eagerly: engine/lockstep.py)
+    assert step_path(EAGER, 600, False, graphs, None, buckets) == ("eager", 640)
+    # without lockstep
+    assert step_path(None, 7, True, graphs, prompt, buckets) == ("decode", 8)
+    assert step_path(None, 300, True, graphs, prompt, buckets) == ("prompt", 320)  # above the decode graphs
+    assert step_path(None, 7, False, graphs, prompt, buckets) == ("prompt", 64)
+    assert step_path(None, 7, False, graphs, None, buckets) == ("eager", 8)
+    assert step_path(None, 7, True, None, None, buckets) == ("eager", 8)
+
+
+def test_a_rank_without_prompt_graphs_turns_the_groups_prompt_graph_step_eager(monkeypatch):
+    from engine import parallel
+    from engine.lockstep import DECODE_GRAPH, EAGER, PROMPT_GRAPHS, Lockstep
+    votes = []
+
+    def max_of_both(values):  # the other DP rank voted PROMPT_GRAPHS and has its graphs
+        votes.append(values)
+        return [max(a, b) for a, b in zip(values, [1, 300, PROMPT_GRAPHS, 0])]
+    monkeypatch.setattr(parallel, "dp_agree", max_of_both)
+    lockstep = Lockstep()
+    assert lockstep.agree(1, 4, DECODE_GRAPH).mode == PROMPT_GRAPHS
+    assert lockstep.agree(1, 4, DECODE_GRAPH, without_prompt_graphs=True).mode == EAGER
+    assert votes[-1] == [1, 4, DECODE_GRAPH, 1]
+
+
+def test_an_idle_rank_replays_its_bucket_with_no_real_row(monkeypatch):
+    """run_dummy replays every graph of the bucket's chain and runs each attention call between them on one
+    row with no metadata, with valid_tokens 0 (the MoE layers route nothing)."""
+    from engine.runner import prompt_graphs as module
+    chains = module.PromptGraphs.__new__(module.PromptGraphs)
+    chains.block_size, chains.valid_tokens = 16, torch.tensor([5])
+    seen = []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            seen.append((self.name, int(chains.valid_tokens), get_forward_context().attn_metadata))
+
+    def call(rows):
+        seen.append(("attention", rows, get_forward_context().moe.padded_tokens))
+    chains.chains = {128: module._Pieces(graphs=[Graph("g0"), Graph("g1")], calls=[call])}
+    chains.run_dummy(128)
+    assert seen == [("g0", 0, None), ("attention", 1, 128), ("g1", 0, None)]
