@@ -99,13 +99,21 @@ def prepare_host_inputs(requests: dict[str, RunnerRequest], counts: dict[str, in
             assert request.num_pending >= 1 and len(known) == n - 1, (request.request_id, request.num_pending)
             pending_positions.append(end - 1)
             pending_rows.append(request.pending_row)
-        positions[begin:end] = np.arange(start, start + n)
-        for group, ratio in enumerate(group_ratios):
-            blocks = np.asarray(request.block_ids if group == 0 else request.group_block_ids[group - 1],
-                                dtype=np.int64)
-            tables[group][index, :len(blocks)] = blocks
-            entries = positions[begin:end] // ratio
-            slot_mappings[group][begin:end] = blocks[entries // block_size] * block_size + entries % block_size
+        if n == 1:  # a decode: scalar arithmetic (numpy's per-call cost is most of a step's input work)
+            positions[begin] = start
+            for group, ratio in enumerate(group_ratios):
+                blocks = request.block_ids if group == 0 else request.group_block_ids[group - 1]
+                tables[group][index, :len(blocks)] = blocks
+                entry = start // ratio
+                slot_mappings[group][begin] = blocks[entry // block_size] * block_size + entry % block_size
+        else:
+            positions[begin:end] = np.arange(start, start + n)
+            for group, ratio in enumerate(group_ratios):
+                blocks = np.asarray(request.block_ids if group == 0 else request.group_block_ids[group - 1],
+                                    dtype=np.int64)
+                tables[group][index, :len(blocks)] = blocks
+                entries = positions[begin:end] // ratio
+                slot_mappings[group][begin:end] = blocks[entries // block_size] * block_size + entries % block_size
         params = request.params
         if params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
             last = min(start + n, request.num_prompt_tokens - 1)
