@@ -72,8 +72,7 @@ class RayExecutor:
         return self.execute_async(scheduled).result()
 
     def step_mode(self, scheduled: SchedulerOutput) -> tuple[int, bool]:
-        runner = self.worker.runner
-        return runner.step_mode(scheduled), runner.prompt_graphs is None
+        return self.worker.runner.step_mode(scheduled)
 
     def expert_load(self) -> dict | None:
         """Rank 0's report: under expert parallelism it counts the whole EP group's routing."""

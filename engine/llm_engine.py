@@ -49,7 +49,7 @@ class Executor(Protocol):
     def execute_async(self, scheduled: SchedulerOutput, before_sampling=None): ...
     @property
     def samples_after_forward(self) -> bool: ...
-    # (engine/lockstep.py's mode for this rank's step, and whether it has no prompt-step graphs)
+    # (this rank's lockstep vote: engine/lockstep.py's mode for its step, and whether it has no prompt graphs)
     def step_mode(self, scheduled: SchedulerOutput) -> tuple[int, bool]: ...
     def expert_load(self) -> dict | None: ...
     def shutdown(self) -> None: ...
@@ -92,7 +92,7 @@ class InProcessExecutor:
         return True
 
     def step_mode(self, scheduled: SchedulerOutput) -> tuple[int, bool]:
-        return self.runner.step_mode(scheduled), self.runner.prompt_graphs is None
+        return self.runner.step_mode(scheduled)
 
     def expert_load(self) -> dict | None:
         return self.runner.expert_load.report() if self.runner.expert_load is not None else None

@@ -24,6 +24,7 @@ import torch
 from engine.forward_context import MoEStep, forward_context
 from engine.kernels.attention import CommonAttentionMetadata
 from engine.kv_cache_spec import FULL_GROUP, CacheGroupMetadata
+from engine.lockstep import DECODE_GRAPH, EAGER, PROMPT_GRAPHS
 from engine.runner.input_batch import HostInputs
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,23 @@ def padded_step_tokens(num_tokens: int, sizes: list[int], multiple: int = 64) ->
         if size >= num_tokens:
             return size
     return -(-num_tokens // multiple) * multiple
+
+
+def step_path(mode: int | None, tokens: int, decode_only: bool, graphs, prompt_graphs,
+              step_buckets: list[int]) -> tuple[str, int]:
+    """How a step of `tokens` (the EP group's largest) runs: ("decode", the decode graph's size), ("prompt",
+    the prompt-step chain's bucket) or ("eager", the token count its MoE exchanges pad to). `mode`: the
+    lockstep group's agreement (engine/lockstep.py), which with `tokens` alone decides it, so that every DP
+    rank, one with nothing to run included, takes the same path with the same exchange sizes; None without
+    lockstep: this rank's own step (`decode_only`) decides."""
+    if mode is None:
+        mode = DECODE_GRAPH if decode_only else PROMPT_GRAPHS
+    if mode == DECODE_GRAPH and graphs is not None and tokens <= graphs.max_batch:
+        return "decode", graphs.padded_size(tokens)
+    bucket = prompt_graphs.bucket(tokens) if prompt_graphs is not None and mode != EAGER else None
+    if bucket is not None:
+        return "prompt", bucket
+    return "eager", padded_step_tokens(tokens, step_buckets)
 
 
 def uncapturable_layers(cache_layers, layout) -> list[str]:

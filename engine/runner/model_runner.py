@@ -24,7 +24,8 @@ from engine.layers.sampler import Sampler, compute_logprobs
 from engine.lockstep import DECODE_GRAPH, EAGER, PROMPT_GRAPHS
 from engine.loader import ModelSource, build_model
 from engine.parallel import enable_fused_all_reduce_norm, get_parallel_state
-from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_step_tokens, uncapturable_layers
+from engine.runner.cuda_graphs import (DecodeGraphs, capture_sizes, padded_step_tokens, step_path,
+                                       uncapturable_layers)
 from engine.runner.expert_load import expert_load_tracker
 from engine.runner.device import resolve_dtype, resolve_residual_dtype
 from engine.runner.input_batch import HostInputs, RunnerRequest, prepare_host_inputs, sampling_batch
@@ -36,23 +37,6 @@ from engine.runner.prompt_graphs import PromptGraphs, capture_prompt_graphs
 
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
-
-
-def step_path(mode: int | None, tokens: int, decode_only: bool, graphs, prompt_graphs,
-              step_buckets: list[int]) -> tuple[str, int]:
-    """How a step of `tokens` (the EP group's largest) runs: ("decode", the decode graph's size), ("prompt",
-    the prompt-step chain's bucket) or ("eager", the token count its MoE exchanges pad to). `mode`: the
-    lockstep group's agreement (engine/lockstep.py), which with `tokens` alone decides it, so that every DP
-    rank, one with nothing to run included, takes the same path with the same exchange sizes; None without
-    lockstep: this rank's own step (`decode_only`) decides."""
-    if mode is None:
-        mode = DECODE_GRAPH if decode_only else PROMPT_GRAPHS
-    if mode == DECODE_GRAPH and graphs is not None and tokens <= graphs.max_batch:
-        return "decode", graphs.padded_size(tokens)
-    bucket = prompt_graphs.bucket(tokens) if prompt_graphs is not None and mode != EAGER else None
-    if bucket is not None:
-        return "prompt", bucket
-    return "eager", padded_step_tokens(tokens, step_buckets)
 
 
 def _log_once(message: str) -> None:
@@ -360,10 +344,13 @@ class ModelRunner:
         while self._unresolved and self._unresolved[0].step <= step:
             self._unresolved.popleft()._record()
 
-    def step_mode(self, scheduled: SchedulerOutput) -> int:
-        """How this rank can run `scheduled` (before it is launched; lockstep DP ranks vote it and all run the
-        step the one way every rank can, engine/lockstep.py): DECODE_GRAPH, PROMPT_GRAPHS or EAGER. A rank with
-        nothing to run can follow the others in any way it has graphs for."""
+    def step_mode(self, scheduled: SchedulerOutput) -> tuple[int, bool]:
+        """This rank's lockstep vote on `scheduled` (before it is launched; every DP rank runs the step the one
+        way all can, engine/lockstep.py): DECODE_GRAPH, PROMPT_GRAPHS or EAGER, and whether it has no
+        prompt-step graphs. A rank with nothing to run can follow the others in any way it has graphs for."""
+        return self._mode(scheduled), self.prompt_graphs is None
+
+    def _mode(self, scheduled: SchedulerOutput) -> int:
         if scheduled.is_empty:
             return DECODE_GRAPH if self.graphs is not None else PROMPT_GRAPHS if self.prompt_graphs else EAGER
         if self.graphs is not None and self.graphs.can_replay(scheduled, self.requests):
@@ -377,9 +364,10 @@ class ModelRunner:
         return max(scheduled.ep_num_tokens, scheduled.total_num_scheduled_tokens, 1)
 
     def _step_path(self, scheduled: SchedulerOutput, host: HostInputs | None) -> tuple[str, int]:
-        path = step_path(scheduled.ep_mode, self._step_tokens(scheduled), host is not None and host.is_decode_only,
-                         self.graphs, self.prompt_graphs, self.step_buckets)
-        if path[0] == "eager" and self.graphs is not None and host is not None and host.is_decode_only:
+        decode_only = host is not None and host.is_decode_only
+        path = step_path(scheduled.ep_mode, self._step_tokens(scheduled), decode_only, self.graphs,
+                         self.prompt_graphs, self.step_buckets)
+        if path[0] == "eager" and self.graphs is not None and decode_only:
             _log_once("a decode step ran eagerly: its EP group's largest batch is above the decode graphs' "
                       f"{self.graphs.max_batch} rows, or another DP rank in lockstep ran its step eagerly")
         return path

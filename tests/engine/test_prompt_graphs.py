@@ -61,7 +61,7 @@ def test_every_lockstep_rank_takes_the_agreed_path_with_the_same_exchange_size()
     bucket, or pad their eager exchanges alike; without lockstep the rank's own step decides."""
     from engine.lockstep import DECODE_GRAPH, EAGER, PROMPT_GRAPHS
     from engine.runner.cuda_graphs import capture_sizes
-    from engine.runner.model_runner import step_path
+    from engine.runner.cuda_graphs import step_path
     graphs, prompt, buckets = _Graphs(), _Buckets(), capture_sizes(256)
     for mode, tokens, expected in [(DECODE_GRAPH, 7, ("decode", 8)), (DECODE_GRAPH, 200, ("decode", 208)),
                                    (PROMPT_GRAPHS, 7, ("prompt", 64)), (PROMPT_GRAPHS, 600, ("prompt", 768)),
