@@ -3,8 +3,8 @@ engine says whether it has work, how many tokens its step runs and how it can ru
 prompt-step graphs, or only eagerly), and all take the largest of each. Then every rank steps (one with
 nothing to run steps a dummy batch), the MoE exchanges of all ranks pad to the same token count, and all
 replay the decode graph of one size, or all replay the prompt-step chain of one bucket, or all run eagerly
-(ModelRunner.step_path); a rank that stops stops all. While all are idle, nobody steps and the device stays
-idle.
+(engine/runner/cuda_graphs.py step_path); a rank that stops stops all. While all are idle, nobody steps
+and the device stays idle.
 
 The agreement is one all-reduce of three integers among the DP leaders over gloo, made after the step is
 scheduled and before it is launched, while the device still runs the step launched before (the engine
