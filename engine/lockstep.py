@@ -6,7 +6,7 @@ replay the decode graph of one size, or all replay the prompt-step chain of one 
 (engine/runner/cuda_graphs.py step_path); a rank that stops stops all. While all are idle, nobody steps
 and the device stays idle.
 
-The agreement is one all-reduce of three integers among the DP leaders over gloo, made after the step is
+The agreement is one all-reduce of four integers among the DP leaders over gloo, made after the step is
 scheduled and before it is launched, while the device still runs the step launched before (the engine
 runs one step ahead on GPUs): its cost is host time that overlaps device time. `stats()` says what it cost.
 """
